@@ -1,0 +1,59 @@
+// CPU kernels. Each source is compiled once per instruction set (AVX2+FMA,
+// AVX512F/BW/VL); PAGODA_CPU_NS names the namespace of one such build so that
+// both builds link into one library and cc/cpu_dispatch.cc picks one at load time.
+//
+// Conventions: pointers are to the first element; "stride" arguments are in
+// elements between consecutive tokens (rows); within a row elements are
+// contiguous. All arithmetic is done in fp32.
+//
+// Rounding to the dtype follows Hugging Face on tensors of that dtype:
+//   rms_norm: out = round(weight * round(x * rsqrt(mean(x^2) + eps))), with
+//     weight in the same dtype as x and rsqrt = 1/sqrtf;
+//   fused_add_rms_norm: residual = round(x + residual), then x = rms_norm of
+//     that rounded residual;
+//   silu_and_mul: out = round(round(silu(gate)) * up);
+//   rotary_embedding: each output rounded once.
+// rms_norm may run in place (out == x with out_stride == x_stride); no other
+// overlap between inputs and outputs is supported.
+#pragma once
+
+#include <cstdint>
+
+#include "cc/dtype.h"
+
+#define PAGODA_CPU_KERNEL_DECLS                                                  \
+  /* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * weight */                       \
+  void rms_norm(void* out, int64_t out_stride, const void* x, int64_t x_stride,  \
+                const void* weight, int64_t num_tokens, int64_t hidden,          \
+                float eps, DType dtype);                                         \
+  /* residual[t] += x[t]; x[t] = rms_norm(residual[t]) * weight (in place) */    \
+  void fused_add_rms_norm(void* x, int64_t x_stride, void* residual,             \
+                          int64_t residual_stride, const void* weight,           \
+                          int64_t num_tokens, int64_t hidden, float eps,         \
+                          DType dtype);                                          \
+  /* x[t] = [gate (d) | up (d)]; out[t] = silu(gate) * up */                     \
+  void silu_and_mul(void* out, int64_t out_stride, const void* x,                \
+                    int64_t x_stride, int64_t num_tokens, int64_t d,             \
+                    DType dtype);                                                \
+  /* In place on query [T, num_heads, head_size] and key [T, num_kv_heads,       \
+     head_size] (key may be null). cos_sin_cache is [max_position, rot_dim]:     \
+     rot_dim/2 cos values then rot_dim/2 sin values, in cache_dtype (the query   \
+     dtype or fp32). The first rot_dim elements of each head rotate: NeoX style  \
+     pairs (i, i + rot_dim/2), GPT-J style pairs (2i, 2i + 1). */                \
+  void rotary_embedding(const int64_t* positions, void* query,                   \
+                        int64_t query_stride, void* key, int64_t key_stride,     \
+                        int64_t num_tokens, int64_t num_heads,                   \
+                        int64_t num_kv_heads, int64_t head_size,                 \
+                        const void* cos_sin_cache, int64_t rot_dim,              \
+                        bool is_neox, DType dtype, DType cache_dtype);
+
+namespace pagoda {
+namespace cpu {
+namespace avx2 {
+PAGODA_CPU_KERNEL_DECLS
+}  // namespace avx2
+namespace avx512 {
+PAGODA_CPU_KERNEL_DECLS
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace pagoda

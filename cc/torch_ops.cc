@@ -1,0 +1,80 @@
+// torch.ops.pagoda.*: the op schemas and their CPU implementations (the fake
+// implementations for torch.compile are in python/pagoda/ops.py).
+// The CUDA implementations live in cc/cuda_ops.cc (a separate library, loaded
+// only beside a CUDA build of torch).
+#include <torch/library.h>
+
+#include <stdexcept>
+
+#include "cc/cpu_dispatch.h"
+#include "cc/tensor_checks.h"
+
+namespace pagoda {
+namespace {
+
+const cpu::KernelTable& cpu_kernels() {
+  try {
+    return cpu::kernels();
+  } catch (const std::invalid_argument& error) {
+    C10_THROW_ERROR(ValueError, error.what());
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU for this kernel, got ", t.device());
+}
+
+void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon) {
+  check_cpu(input, "input");
+  RmsNormArgs a = check_rms_norm(out, input, weight);
+  cpu_kernels().rms_norm(a.out.data, a.out.stride, a.input.data, a.input.stride, a.weight, a.input.count,
+                         a.input.width, static_cast<float>(epsilon), a.dtype);
+}
+
+void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon) {
+  check_cpu(input, "input");
+  FusedAddRmsNormArgs a = check_fused_add_rms_norm(input, residual, weight);
+  cpu_kernels().fused_add_rms_norm(a.input.data, a.input.stride, a.residual.data, a.residual.stride, a.weight,
+                                   a.input.count, a.input.width, static_cast<float>(epsilon), a.dtype);
+}
+
+void silu_and_mul_cpu(at::Tensor& out, const at::Tensor& input) {
+  check_cpu(input, "input");
+  SiluAndMulArgs a = check_silu_and_mul(out, input);
+  cpu_kernels().silu_and_mul(a.out.data, a.out.stride, a.input.data, a.input.stride, a.input.count, a.out.width,
+                             a.dtype);
+}
+
+void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, const c10::optional<at::Tensor>& key,
+                          int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+  check_cpu(query, "query");
+  RotaryArgs a = check_rotary_embedding(positions, query, key, head_size, cos_sin_cache);
+  // The kernel indexes the cache by position: reject out-of-range positions
+  // here rather than read out of bounds (cheap on the CPU; no device sync).
+  for (int64_t i = 0; i < a.num_tokens; ++i) {
+    TORCH_CHECK_VALUE(a.positions[i] >= 0 && a.positions[i] < a.max_position, "positions[", i, "] = ",
+                      a.positions[i], " is outside the cos_sin_cache's [0, ", a.max_position, ")");
+  }
+  cpu_kernels().rotary_embedding(a.positions, a.query.data, a.query.stride, a.key, a.key_stride, a.num_tokens,
+                                 a.num_heads, a.num_kv_heads, a.head_size, a.cos_sin_cache, a.rot_dim, is_neox,
+                                 a.dtype, a.cache_dtype);
+}
+
+}  // namespace
+}  // namespace pagoda
+
+TORCH_LIBRARY(pagoda, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("rms_norm", &pagoda::rms_norm_cpu);
+  m.impl("fused_add_rms_norm", &pagoda::fused_add_rms_norm_cpu);
+  m.impl("silu_and_mul", &pagoda::silu_and_mul_cpu);
+  m.impl("rotary_embedding", &pagoda::rotary_embedding_cpu);
+}

@@ -1,0 +1,16 @@
+"""Forwards the @rules_java API to the native rules built into Bazel 4.2.3."""
+
+def java_import(**kwargs):
+    native.java_import(**kwargs)
+
+def java_library(**kwargs):
+    native.java_library(**kwargs)
+
+def java_binary(**kwargs):
+    native.java_binary(**kwargs)
+
+def java_runtime(**kwargs):
+    native.java_runtime(**kwargs)
+
+def java_toolchain(**kwargs):
+    native.java_toolchain(**kwargs)

@@ -1,0 +1,34 @@
+"""py_test wrappers: pytest files run under the configured venv interpreter.
+
+Every test carries hardware tags (cpu, avx2, avx512, cuda, rocm, multi_gpu)
+that .bazelrc's --test_tag_filters select per config.
+"""
+
+load("//tools:kernel_sources.bzl", "CPU_ISA_COPTS")
+
+def pagoda_py_test(name, srcs, deps = [], data = [], tags = [], args = [], **kwargs):
+    """One pytest file (srcs[0]) as a py_test."""
+    native.py_test(
+        name = name,
+        srcs = srcs,
+        main = srcs[0],
+        deps = deps,
+        data = data,
+        args = args,
+        tags = tags,
+        python_version = "PY3",
+        **kwargs
+    )
+
+def pagoda_cpu_isa_test(name, srcs, tags = [], **kwargs):
+    """One py_test per CPU kernel build (<name>_avx2, <name>_avx512), each
+    forcing that build through the test's --cpu-isa option; a build the CPU
+    cannot run is skipped by the test itself."""
+    for isa in CPU_ISA_COPTS.keys():
+        pagoda_py_test(
+            name = "%s_%s" % (name, isa),
+            srcs = srcs,
+            args = ["--cpu-isa=" + isa],
+            tags = tags + ["cpu", isa],
+            **kwargs
+        )
