@@ -4,6 +4,8 @@
 // unhelpful "undefined symbol", so the loader refuses it with a clear message.
 #include <torch/version.h>
 
+#include <cstddef>  // libstdc++ defines _GLIBCXX_USE_CXX11_ABI in its config header
+
 #define PAGODA_STR2(x) #x
 #define PAGODA_STR(x) PAGODA_STR2(x)
 

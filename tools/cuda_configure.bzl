@@ -25,7 +25,7 @@ package(default_visibility = ["//visibility:public"])
 
 cc_library(
     name = "cuda_headers",
-    hdrs = glob(["cuda_include/**/*.h", "cuda_include/**/*.hpp"]),
+    hdrs = glob(["cuda_include/**"]),
     includes = ["cuda_include"],
 )
 

@@ -12,6 +12,20 @@ load("@local_config_cuda//:defs.bzl", "CUDA_PATH", "NVCC")
 load("@local_config_rocm//:defs.bzl", "HIPCC", "HIP_ARCHS")
 load("//tools:kernel_sources.bzl", "CUDA_ARCHS", "HIPCC_COPTS", "NVCC_COPTS")
 
+def _compatible_with(enabled_setting):
+    return select({
+        enabled_setting: [],
+        "//conditions:default": ["//tools:unavailable"],
+    })
+
+def requires_cuda():
+    """target_compatible_with for targets built only under --config=cuda."""
+    return _compatible_with("//tools:cuda_enabled")
+
+def requires_rocm():
+    """target_compatible_with for targets built only under --config=rocm."""
+    return _compatible_with("//tools:rocm_enabled")
+
 def _nvcc_arch_flags(ctx):
     archs = ctx.var.get("cuda_archs", ",".join(CUDA_ARCHS)).split(",")
     flags = []
@@ -23,22 +37,23 @@ def _nvcc_arch_flags(ctx):
     return flags
 
 def _command(ctx):
-    """Returns (compiler, flags, env) for this rule's GPU platform."""
+    """Returns (executable, flags) for this rule's GPU platform."""
     if ctx.attr.platform == "cuda":
         if not NVCC:
             fail("--config=cuda needs nvcc, but there is none at CUDA_PATH=%s: install the CUDA toolkit or set CUDA_PATH" % CUDA_PATH)
-        return NVCC, NVCC_COPTS + _nvcc_arch_flags(ctx), {}
+        return NVCC, NVCC_COPTS + _nvcc_arch_flags(ctx)
     if not HIPCC:
         fail("--config=rocm needs hipcc, but none was found in ROCM_PATH or PATH: apt-get install hipcc libamdhip64-dev, or set ROCM_PATH")
     if not HIP_ARCHS:
         fail("--config=rocm: %s cannot compile for any of the wanted AMD targets" % HIPCC)
     arch_flags = ["--offload-arch=" + arch for arch in HIP_ARCHS]
-    return HIPCC, HIPCC_COPTS + arch_flags + ["-x", "hip"], {"HIP_PLATFORM": "amd"}
+    # Without HIP_PLATFORM=amd, hipcc finds nvcc and takes the NVIDIA path.
+    return "/usr/bin/env", ["HIP_PLATFORM=amd", HIPCC] + HIPCC_COPTS + arch_flags + ["-x", "hip"]
 
 def _gpu_objects_impl(ctx):
     if not ctx.attr.enabled:
         return [DefaultInfo(files = depset())]
-    compiler, flags, env = _command(ctx)
+    compiler, flags = _command(ctx)
     headers = depset(ctx.files.hdrs, transitive = [
         dep[CcInfo].compilation_context.headers
         for dep in ctx.attr.deps
@@ -55,7 +70,7 @@ def _gpu_objects_impl(ctx):
             arguments = [args],
             inputs = depset([src], transitive = [headers]),
             outputs = [out],
-            env = env,
+            # PATH (from --action_env) lets nvcc and hipcc find the host compiler.
             use_default_shell_env = True,
             mnemonic = "Nvcc" if ctx.attr.platform == "cuda" else "Hipcc",
             progress_message = "Compiling %s for %s" % (src.short_path, ctx.attr.platform.upper()),
@@ -75,10 +90,7 @@ _gpu_objects = rule(
 )
 
 def _gpu_library(name, platform, enabled_setting, srcs, hdrs = [], deps = [], runtime_deps = [], **kwargs):
-    compatible = select({
-        enabled_setting: [],
-        "//conditions:default": ["//tools:unavailable"],
-    })
+    compatible = _compatible_with(enabled_setting)
     _gpu_objects(
         name = name + "_objects",
         srcs = srcs,

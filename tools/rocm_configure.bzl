@@ -18,7 +18,7 @@ def _rocm_configure_impl(ctx):
     hipcc = _find_hipcc(ctx)
     archs = []
     if hipcc:
-        ctx.file("probe.hip", "__global__ void probe(float* x) { x[0] = 1.0f; }\n")
+        ctx.file("probe.hip", "#include <hip/hip_runtime.h>\n__global__ void probe(float* x) { x[0] = 1.0f; }\n")
         for arch in HIP_ARCHS:
             result = ctx.execute(
                 [str(hipcc), "--offload-arch=" + arch, "-x", "hip", "-c", "probe.hip", "-o", "probe.o"],

@@ -6,29 +6,29 @@ that .bazelrc's --test_tag_filters select per config.
 
 load("//tools:kernel_sources.bzl", "CPU_ISA_COPTS")
 
-def pagoda_py_test(name, srcs, deps = [], data = [], tags = [], args = [], **kwargs):
+_RUNNER = "//tests:pytest_runner.py"
+
+def pagoda_py_test(name, srcs, deps = [], args = [], **kwargs):
     """One pytest file (srcs[0]) as a py_test."""
     native.py_test(
         name = name,
-        srcs = srcs,
-        main = srcs[0],
+        srcs = srcs + [_RUNNER],
+        main = _RUNNER,
+        args = ["$(location %s)" % srcs[0]] + args,
         deps = deps,
-        data = data,
-        args = args,
-        tags = tags,
         python_version = "PY3",
         **kwargs
     )
 
-def pagoda_cpu_isa_test(name, srcs, tags = [], **kwargs):
+def pagoda_cpu_isa_test(name, srcs, tags = [], env = {}, **kwargs):
     """One py_test per CPU kernel build (<name>_avx2, <name>_avx512), each
-    forcing that build through the test's --cpu-isa option; a build the CPU
-    cannot run is skipped by the test itself."""
+    forcing that build (see tests/ops/conftest.py); a build the CPU cannot
+    run is skipped by the test itself."""
     for isa in CPU_ISA_COPTS.keys():
         pagoda_py_test(
             name = "%s_%s" % (name, isa),
             srcs = srcs,
-            args = ["--cpu-isa=" + isa],
+            env = dict(env, PAGODA_TEST_CPU_ISA = isa),
             tags = tags + ["cpu", isa],
             **kwargs
         )

@@ -1,10 +1,12 @@
 """Shared fixtures for the kernel tests.
 
-`--cpu-isa=avx2|avx512` runs the whole file against one build of the CPU
-kernels (Bazel makes one test target per build); a build this CPU cannot run is
-skipped, not failed. The `device` fixture covers the CPU and, where torch sees
+`--cpu-isa=avx2|avx512` (or PAGODA_TEST_CPU_ISA, which Bazel sets: one test
+target per build) runs the whole file against one build of the CPU kernels; a
+build this CPU cannot run is skipped, not failed. The `device` fixture covers the CPU and, where torch sees
 a GPU and Pagoda's CUDA ops are loaded, CUDA.
 """
+
+import os
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ def pytest_addoption(parser):
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_isa(request):
-    isa = request.config.getoption("--cpu-isa")
+    isa = request.config.getoption("--cpu-isa") or os.environ.get("PAGODA_TEST_CPU_ISA", "")
     if isa and isa not in ops._C.supported_cpu_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernel build (it runs: {ops._C.supported_cpu_isas()})")
     ops._C.select_cpu_isa(isa)
@@ -32,17 +34,3 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _native.has_cuda_
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
-
-
-TOLERANCES = {
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    # Up to two units in the last place: the kernels sum in another order than
-    # torch, and rms_norm rounds twice (as Hugging Face does).
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
-    torch.float16: dict(rtol=2.5e-3, atol=1e-5),
-}
-
-
-def strided_rows(rows: int, width: int, dtype, device, pad: int = 5) -> torch.Tensor:
-    """A [rows, width] view whose row stride is width + pad (not contiguous)."""
-    return torch.randn(rows, width + pad, dtype=dtype, device=device)[:, :width]

@@ -1,10 +1,8 @@
 """silu_and_mul against the pure-torch reference."""
 
-import sys
-
 import pytest
 import torch
-from conftest import TOLERANCES, strided_rows
+from tolerances import TOLERANCES, strided_rows
 
 from pagoda import ops
 
@@ -30,6 +28,3 @@ def test_silu_and_mul_extreme_values(device):
     x = torch.tensor([[-100.0, 0.0, 100.0, 1e-8, 2.0, 2.0, 2.0, 2.0]], device=device)
     torch.testing.assert_close(ops.silu_and_mul(x), ops.silu_and_mul_reference(x), rtol=1e-5, atol=1e-6)
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))

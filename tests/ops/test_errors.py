@@ -132,6 +132,3 @@ def test_environment_forces_unusable_isa_clearly():
     assert result.returncode != 0
     assert "PAGODA_CPU_ISA=sse2 is not compiled into this build" in result.stderr
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))

@@ -1,10 +1,8 @@
 """rms_norm and fused_add_rms_norm against the pure-torch reference."""
 
-import sys
-
 import pytest
 import torch
-from conftest import TOLERANCES, strided_rows
+from tolerances import TOLERANCES, strided_rows
 
 from pagoda import ops
 
@@ -60,6 +58,3 @@ def test_rms_norm_leaves_padding_alone(device):
     ops.rms_norm(torch.randn(4, 64, device=device), torch.ones(64, device=device), 1e-6, out=out)
     torch.testing.assert_close(buffer[:, 64:], before[:, 64:], rtol=0, atol=0)
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))

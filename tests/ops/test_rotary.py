@@ -1,10 +1,8 @@
 """rotary_embedding (NeoX and GPT-J styles) against the pure-torch reference."""
 
-import sys
-
 import pytest
 import torch
-from conftest import TOLERANCES
+from tolerances import TOLERANCES
 
 from pagoda import ops
 
@@ -62,6 +60,3 @@ def test_rotary_position_zero_is_identity(device):
     ops.rotary_embedding(torch.zeros(3, dtype=torch.long, device=device), query, None, 16, cache, True)
     torch.testing.assert_close(query, original, rtol=0, atol=0)
 
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", *sys.argv[1:]]))
