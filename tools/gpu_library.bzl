@@ -76,7 +76,7 @@ def _gpu_objects_impl(ctx):
             progress_message = "Compiling %s for %s" % (src.short_path, ctx.attr.platform.upper()),
         )
         objects.append(out)
-    return [DefaultInfo(files = depset(objects))]
+    return [DefaultInfo(files = depset(objects), runfiles = ctx.runfiles(files = objects))]
 
 _gpu_objects = rule(
     implementation = _gpu_objects_impl,
