@@ -8,6 +8,8 @@ builds, against the torch of the interpreter running it:
 
   python tools/build_ext.py [--no-cuda] [--cuda-archs sm_90a] [--jobs N]
 
+PAGODA_CXX picks the C++ compiler (default: c++ on PATH).
+
 Kernel objects are compiled directly (each CPU source once per instruction set,
 each .cu by nvcc); torch.utils.cpp_extension compiles the torch-facing glue and
 links the libraries.
@@ -72,9 +74,13 @@ def main() -> None:
 
     src = read_sources()
     build = args.build_dir.resolve()
-    cxx = os.environ.get("CXX", "c++")
+    # The system compiler by default, not $CXX: the H200 image's CXX
+    # (/opt/gcc/bin/g++) links libstdc++ statically, and a second, private
+    # libstdc++ inside the extension crashes on its first iostream use.
+    cxx = os.environ.get("PAGODA_CXX") or shutil.which("c++") or "c++"
+    os.environ["CXX"] = cxx  # torch.utils.cpp_extension compiles and links with it
     started = time.time()
-    print(f"build_ext: torch {torch.__version__} ({sys.executable}), into {build}", flush=True)
+    print(f"build_ext: torch {torch.__version__} ({sys.executable}), {cxx}, into {build}", flush=True)
 
     # CPU kernels: every source once per instruction set.
     jobs = []
