@@ -9,8 +9,11 @@ namespace pagoda {
 namespace cpu {
 namespace {
 
-#define PAGODA_KERNEL_TABLE(ns) \
-  KernelTable { #ns, &ns::rms_norm, &ns::fused_add_rms_norm, &ns::silu_and_mul, &ns::rotary_embedding }
+#define PAGODA_KERNEL_TABLE(ns)                                                                           \
+  KernelTable {                                                                                           \
+    #ns, &ns::rms_norm, &ns::fused_add_rms_norm, &ns::silu_and_mul, &ns::rotary_embedding,                \
+        &ns::reshape_and_cache, &ns::paged_attention                                                      \
+  }
 
 // Best first.
 std::vector<KernelTable> compiled_tables() {

@@ -17,6 +17,8 @@ struct KernelTable {
   decltype(&avx2::fused_add_rms_norm) fused_add_rms_norm;
   decltype(&avx2::silu_and_mul) silu_and_mul;
   decltype(&avx2::rotary_embedding) rotary_embedding;
+  decltype(&avx2::reshape_and_cache) reshape_and_cache;
+  decltype(&avx2::paged_attention) paged_attention;
 };
 
 // The selected kernels; selects from PAGODA_CPU_ISA on first use and throws

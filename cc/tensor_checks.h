@@ -187,4 +187,166 @@ inline RotaryArgs check_rotary_embedding(const at::Tensor& positions, const at::
                     cache_dtype};
 }
 
+
+// A [num_tokens, heads, head_size] tensor whose heads are contiguous within a
+// token (last two dimensions contiguous; any token stride), e.g. a view of one
+// part of a fused qkv projection. Rows are tokens of heads * head_size.
+inline Rows as_token_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 3, name, " must be [num_tokens, num_heads, head_size], got shape ", t.sizes());
+  TORCH_CHECK_VALUE((t.stride(2) == 1 || t.size(2) <= 1) && (t.stride(1) == t.size(2) || t.size(1) <= 1), name,
+                    " must be contiguous in its last two dimensions (strides ", t.strides(), ", sizes ", t.sizes(),
+                    "); only the token stride may differ");
+  return Rows{t.data_ptr(), t.size(0) <= 1 ? t.size(1) * t.size(2) : t.stride(0), t.size(0), t.size(1) * t.size(2)};
+}
+
+// A paged KV cache: [num_blocks, block_size, num_kv_heads, head_size], contiguous.
+inline void check_kv_cache(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK_VALUE(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_size], got shape ",
+                    cache.sizes());
+  TORCH_CHECK_VALUE(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+                    " must have a positive block size, number of kv heads and head size, got shape ", cache.sizes());
+  TORCH_CHECK_VALUE(cache.is_contiguous(), name, " must be contiguous (strides ", cache.strides(), ")");
+}
+
+// A contiguous 1-D index tensor of `size` elements of type `type` (named
+// `type_name` in messages).
+inline void check_index_vector(const at::Tensor& t, const char* name, at::ScalarType type, const char* type_name,
+                               int64_t size, const char* size_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == type, name, " must be ", type_name, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == size, name, " must be a 1-D tensor of ", size_name, " = ", size,
+                    " elements, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+struct ReshapeAndCacheArgs {
+  Rows key, value;  // one row per token: num_kv_heads * head_size elements
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;
+  int64_t num_slots;  // num_blocks * block_size
+  DType dtype;
+};
+
+inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
+                                                   const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                   const at::Tensor& slot_mapping) {
+  const DType dtype = kernel_dtype(key, "key");
+  check_float_op(value, "value", key, "key");
+  check_float_op(key_cache, "key_cache", key, "key");
+  check_float_op(value_cache, "value_cache", key, "key");
+  check_same_device(slot_mapping, "slot_mapping", key, "key");
+  Rows k = as_token_heads(key, "key");
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
+                    key.sizes());
+  Rows v = as_token_heads(value, "value");
+  check_kv_cache(key_cache, "key_cache");
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
+                    " but key_cache has shape ", key_cache.sizes());
+  check_kv_cache(value_cache, "value_cache");
+  TORCH_CHECK_VALUE(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), "key_cache holds ",
+                    key_cache.size(2), " kv heads of size ", key_cache.size(3), " but key has ", key.size(1),
+                    " heads of size ", key.size(2));
+  check_index_vector(slot_mapping, "slot_mapping", at::kLong, "int64", k.count, "num_tokens");
+  return ReshapeAndCacheArgs{k,
+                             v,
+                             key_cache.data_ptr(),
+                             value_cache.data_ptr(),
+                             slot_mapping.data_ptr<int64_t>(),
+                             key_cache.size(0) * key_cache.size(1),
+                             dtype};
+}
+
+struct PagedAttentionArgs {
+  Rows out, query;  // one row per token: num_heads * head_size elements
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  int64_t block_tables_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq;
+  DType dtype;
+};
+
+inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at::Tensor& query,
+                                                const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                const at::Tensor& query_start_loc) {
+  const DType dtype = kernel_dtype(query, "query");
+  check_float_op(out, "out", query, "query");
+  check_float_op(key_cache, "key_cache", query, "query");
+  check_float_op(value_cache, "value_cache", query, "query");
+  check_same_device(block_tables, "block_tables", query, "query");
+  check_same_device(seq_lens, "seq_lens", query, "query");
+  check_same_device(query_start_loc, "query_start_loc", query, "query");
+  Rows q = as_token_heads(query, "query");
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out has shape ", out.sizes(), " but query has shape ",
+                    query.sizes());
+  Rows o = as_token_heads(out, "out");
+  check_kv_cache(key_cache, "key_cache");
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
+                    " but key_cache has shape ", key_cache.sizes());
+  check_kv_cache(value_cache, "value_cache");
+  const int64_t num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK_VALUE(key_cache.size(3) == head_size, "key_cache's head size is ", key_cache.size(3),
+                    " but query's is ", head_size);
+  TORCH_CHECK_VALUE(num_heads > 0 && num_heads % num_kv_heads == 0, "query's ", num_heads,
+                    " heads must be a positive multiple of the cache's ", num_kv_heads, " kv heads");
+  TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt, "block_tables must be int32, got ",
+                   block_tables.scalar_type());
+  TORCH_CHECK_TYPE(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32, got ", seq_lens.scalar_type());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens must be 1-D [num_seqs], got shape ", seq_lens.sizes());
+  const int64_t num_seqs = seq_lens.size(0);
+  check_index_vector(seq_lens, "seq_lens", at::kInt, "int32", num_seqs, "num_seqs");
+  check_index_vector(query_start_loc, "query_start_loc", at::kInt, "int32", num_seqs + 1, "num_seqs + 1");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs=",
+                    num_seqs, ", max_blocks_per_seq], got shape ", block_tables.sizes());
+  TORCH_CHECK_VALUE(block_tables.stride(1) == 1 || block_tables.size(1) <= 1,
+                    "block_tables must be contiguous in its last dimension");
+  return PagedAttentionArgs{o,
+                            q,
+                            key_cache.data_ptr(),
+                            value_cache.data_ptr(),
+                            block_tables.data_ptr<int32_t>(),
+                            block_tables.stride(0),
+                            seq_lens.data_ptr<int32_t>(),
+                            query_start_loc.data_ptr<int32_t>(),
+                            num_seqs,
+                            num_heads,
+                            num_kv_heads,
+                            head_size,
+                            key_cache.size(0),
+                            key_cache.size(1),
+                            block_tables.size(1),
+                            dtype};
+}
+
+// The values of paged_attention's metadata: query_start_loc runs from 0 to
+// the number of query tokens without decreasing, no sequence has more new
+// tokens than tokens, and its block table row covers its tokens with existing
+// blocks. Reads the tensors' values: host memory only.
+inline void check_paged_attention_metadata(const PagedAttentionArgs& a) {
+  const int32_t* qsl = a.query_start_loc;
+  TORCH_CHECK_VALUE(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t q_len = int64_t{qsl[s + 1]} - qsl[s];
+    const int64_t seq_len = a.seq_lens[s];
+    TORCH_CHECK_VALUE(q_len >= 0, "query_start_loc must not decrease: query_start_loc[", s + 1, "] = ", qsl[s + 1],
+                      " < query_start_loc[", s, "] = ", qsl[s]);
+    TORCH_CHECK_VALUE(q_len <= seq_len, "sequence ", s, " has ", q_len, " query tokens but seq_lens[", s, "] = ",
+                      seq_len, "; seq_lens counts the new tokens too");
+    const int64_t blocks = (seq_len + a.block_size - 1) / a.block_size;
+    TORCH_CHECK_VALUE(blocks <= a.max_blocks_per_seq, "sequence ", s, " has ", seq_len, " tokens in ", blocks,
+                      " blocks of ", a.block_size, " but block_tables has only ", a.max_blocks_per_seq,
+                      " columns");
+    const int32_t* row = a.block_tables + s * a.block_tables_stride;
+    for (int64_t i = 0; i < blocks; ++i) {
+      TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < a.num_blocks, "block_tables[", s, ", ", i, "] = ", row[i],
+                        " is outside the cache's [0, ", a.num_blocks, ") blocks");
+    }
+  }
+  TORCH_CHECK_VALUE(qsl[a.num_seqs] == a.query.count, "query_start_loc[", a.num_seqs, "] = ", qsl[a.num_seqs],
+                    " but query has ", a.query.count, " tokens");
+}
+
 }  // namespace pagoda

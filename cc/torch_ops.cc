@@ -60,6 +60,48 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, const 
                                  a.dtype, a.cache_dtype);
 }
 
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cpu(key, "key");
+  ReshapeAndCacheArgs a = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  // The kernel writes row slot_mapping[t] of the cache: reject slots past its
+  // end here (negative slots mark padding tokens and are skipped).
+  for (int64_t t = 0; t < a.key.count; ++t) {
+    TORCH_CHECK_VALUE(a.slot_mapping[t] < a.num_slots, "slot_mapping[", t, "] = ", a.slot_mapping[t],
+                      " is outside the cache's ", a.num_slots, " slots (num_blocks x block_size)");
+  }
+  cpu_kernels().reshape_and_cache(a.key.data, a.key.stride, a.value.data, a.value.stride, a.key_cache,
+                                  a.value_cache, a.slot_mapping, a.key.count, a.key.width, a.dtype);
+}
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale) {
+  check_cpu(query, "query");
+  PagedAttentionArgs a =
+      check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  check_paged_attention_metadata(a);
+  cpu::PagedAttentionParams p;
+  p.out = a.out.data;
+  p.out_stride = a.out.stride;
+  p.query = a.query.data;
+  p.query_stride = a.query.stride;
+  p.key_cache = a.key_cache;
+  p.value_cache = a.value_cache;
+  p.block_tables = a.block_tables;
+  p.block_tables_stride = a.block_tables_stride;
+  p.seq_lens = a.seq_lens;
+  p.query_start_loc = a.query_start_loc;
+  p.num_seqs = a.num_seqs;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.head_size = a.head_size;
+  p.block_size = a.block_size;
+  p.scale = static_cast<float>(scale);
+  p.dtype = a.dtype;
+  cpu_kernels().paged_attention(p);
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -70,6 +112,12 @@ TORCH_LIBRARY(pagoda, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
@@ -77,4 +125,6 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("fused_add_rms_norm", &pagoda::fused_add_rms_norm_cpu);
   m.impl("silu_and_mul", &pagoda::silu_and_mul_cpu);
   m.impl("rotary_embedding", &pagoda::rotary_embedding_cpu);
+  m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cpu);
+  m.impl("paged_attention", &pagoda::paged_attention_cpu);
 }

@@ -134,7 +134,11 @@ def main() -> None:
 
 
 def _fresh(path: Path) -> Path:
+    """A build folder without its old library: the prebuilt kernel objects
+    reach the link as flags, so ninja would not relink when only they changed."""
     path.mkdir(parents=True, exist_ok=True)
+    for library in path.glob("*.so"):
+        library.unlink()
     return path
 
 

@@ -10,6 +10,8 @@ repository root.
 # CPU kernels: no torch headers; each is compiled once per instruction set.
 CPU_KERNEL_SRCS = [
     "cc/cpu/activation.cc",
+    "cc/cpu/attention.cc",
+    "cc/cpu/cache.cc",
     "cc/cpu/norm.cc",
     "cc/cpu/rotary.cc",
 ]

@@ -152,6 +152,7 @@ inline Vec round_nearest(Vec a) {
   return _mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 inline float hsum(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(Vec a) { return _mm512_reduce_max_ps(a.v); }
 #else
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec set1(float f) { return _mm256_set1_ps(f); }
@@ -180,7 +181,36 @@ inline float hsum(Vec a) {
   s = _mm_add_ss(s, sh);
   return _mm_cvtss_f32(s);
 }
+inline float hmax(Vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a.v),
+                        _mm256_extractf128_ps(a.v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
 #endif
+
+// The 8 partial sums of a vector's lanes (itself for AVX2), for hsum4.
+#ifdef __AVX512F__
+inline __m256 fold_halves(Vec a) {
+  const __m256 hi =
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(a.v), hi);
+}
+#else
+inline __m256 fold_halves(Vec a) { return a.v; }
+#endif
+// out[0..3] = hsum(a), hsum(b), hsum(c), hsum(d): cheaper than four hsum calls.
+inline void hsum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  // hadd pairs neighbouring lanes within each 128-bit half:
+  // ab = (a01 a23 b01 b23 | a45 a67 b45 b67), likewise cd; then
+  // abcd = (a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567).
+  const __m256 ab = _mm256_hadd_ps(fold_halves(a), fold_halves(b));
+  const __m256 cd = _mm256_hadd_ps(fold_halves(c), fold_halves(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd),
+                                _mm256_extractf128_ps(abcd, 1)));
+}
 
 // ---------------------------------------------------------------------------
 // bf16 / fp16 <-> fp32 lane conversions.
@@ -341,6 +371,11 @@ inline Vec round_to(Vec a) {
   } else {
     return f16_to_f32(f32_to_f16(a));
   }
+}
+
+// Asks for the cache line holding p to be fetched (never faults).
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
 
 // ---------------------------------------------------------------------------

@@ -18,7 +18,14 @@ _C = _native.load()
 
 # Fake (meta) implementations, for torch.compile and CUDA-graph tracing: every
 # op mutates its arguments in place and returns nothing.
-for _name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+for _name in (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_embedding",
+    "reshape_and_cache",
+    "paged_attention",
+):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
 
 
@@ -54,6 +61,47 @@ def rotary_embedding(
     """In place on query and key: rotate the first rot_dim dims of each head by
     the angles of cos_sin_cache[positions] (NeoX or GPT-J pairing)."""
     torch.ops.pagoda.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: key_cache/value_cache [num_blocks, block_size, num_kv_heads,
+    head_size] get key[t]/value[t] ([num_tokens, num_kv_heads, head_size]) at
+    slot slot_mapping[t] = block * block_size + offset (int64); a negative slot
+    skips the token (padding)."""
+    torch.ops.pagoda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens over its paged KV cache
+    (prefill, chunked prefill, prefix-cache hits and decode in one call; the
+    new tokens' K/V must already be in the cache, see reshape_and_cache).
+
+    query, out: [num_tokens, num_heads, head_size]; the tokens of sequence s
+    are rows query_start_loc[s] .. query_start_loc[s+1]-1 (int32, num_seqs+1
+    entries). seq_lens (int32) counts each sequence's cached tokens including
+    the new ones; block_tables (int32 [num_seqs, max_blocks]) lists its cache
+    blocks. New token j of a sequence with q_len new tokens sits at position
+    seq_len - q_len + j and sees positions 0 .. that one. GQA: query head h
+    reads kv head h // (num_heads // num_kv_heads)."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    torch.ops.pagoda.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return out
 
 
 # --- pure-torch references -------------------------------------------------
@@ -116,3 +164,58 @@ def rotary_cos_sin_cache(
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
     angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+
+
+def reshape_and_cache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns updated copies of (key_cache, value_cache)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    new_caches = []
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        flat = cache.clone().flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
+        flat[slots] = new[keep]
+        new_caches.append(flat.view(cache.shape))
+    return new_caches[0], new_caches[1]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Sequence by sequence: gathers its K/V from the cache and computes causal
+    softmax(scale * q k^T) v in compute_dtype; returns [num_tokens, num_heads,
+    head_size] in query's dtype."""
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_size, dtype=compute_dtype, device=query.device)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        begin, end = starts[s], starts[s + 1]
+        if begin == end:
+            continue
+        blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # [num_heads, seq_len, head_size]
+            rows = cache[blocks].flatten(0, 1)[:seq_len].to(compute_dtype)
+            return rows.repeat_interleave(group, dim=1).transpose(0, 1)
+
+        q = query[begin:end].to(compute_dtype).transpose(0, 1)  # [num_heads, q_len, head_size]
+        scores = scale * (q @ gather(key_cache).transpose(1, 2))  # [num_heads, q_len, seq_len]
+        positions = torch.arange(seq_len - (end - begin), seq_len, device=query.device)
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[begin:end] = (scores.softmax(dim=-1) @ gather(value_cache)).transpose(0, 1)
+    return out.to(query.dtype)
