@@ -1,0 +1,1 @@
+"""Building blocks of the models (vLLM's names, no tensor parallelism yet)."""

@@ -1,0 +1,64 @@
+"""Paged attention layer: writes the new tokens' K/V into this layer's cache
+and attends over each sequence's cached context, for a whole mixed batch
+(prefill, chunked prefill, prefix hits and decode) in two kernel calls.
+
+The model runner owns the caches: it allocates one (key_cache, value_cache)
+pair per layer, each [num_blocks, block_size, num_kv_heads, head_size] in the
+model's dtype, binds them with bind_kv_caches(), and runs the model inside
+set_forward_context(AttentionMetadata(...)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagoda import ops
+from pagoda.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None):
+        super().__init__()
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] (strided views of a fused qkv are fine:
+        the kernels take any token stride) -> [T, H*D]."""
+        if self.kv_cache is None:
+            raise RuntimeError("Attention layer has no KV cache: bind one with bind_kv_caches(model, caches)")
+        metadata = get_attention_metadata()
+        key_cache, value_cache = self.kv_cache
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            self.scale,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's Attention layers in execution order (layer 0 first)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """kv_caches[i] = (key_cache, value_cache) of attention_layers(model)[i]."""
+    layers = attention_layers(model)
+    if len(kv_caches) != len(layers):
+        raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache

@@ -1,0 +1,65 @@
+"""get_model(): a model of the config's architecture with its weights loaded,
+in eval mode, without gradients."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_weights
+from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
+from pagoda.model_executor.model_loader.safetensors_loader import safetensors_files, safetensors_weights_iterator
+from pagoda.model_executor.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _gguf_path(model: str, gguf_file: str | None) -> str:
+    if os.path.isfile(model):  # the file itself (gguf_file then only names it)
+        return model
+    if gguf_file is None:
+        raise FileNotFoundError(f"{model!r} is not a GGUF file; for a folder, pass gguf_file=NAME")
+    path = os.path.join(model, gguf_file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    return path
+
+
+def resolve_load_format(model: str, load_format: str = "auto", gguf_file: str | None = None) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {LOAD_FORMATS}")
+    if load_format != "auto":
+        return load_format
+    return "gguf" if gguf_file or model.endswith(".gguf") else "safetensors"
+
+
+def get_model(
+    model: str | os.PathLike,
+    hf_config,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    gguf_file: str | None = None,
+) -> nn.Module:
+    """model: a Hugging Face folder (safetensors), a folder holding gguf_file,
+    or the .gguf file itself; ignored for load_format="dummy".
+
+    Parameters are created on torch's default device (CPU unless a
+    `with torch.device(...)` is active) in `dtype`, untouched until loaded,
+    and weights stream in one tensor at a time: peak memory stays near the
+    final weights' size."""
+    model = os.fspath(model)
+    load_format = resolve_load_format(model, load_format, gguf_file)
+    if load_format == "safetensors":
+        weights = safetensors_weights_iterator(safetensors_files(model), dtype)
+    elif load_format == "gguf":
+        weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype)
+    else:
+        weights = None
+    instance = get_model_class(hf_config)(hf_config, dtype)
+    if weights is None:
+        initialize_dummy_weights(instance)
+    else:
+        instance.load_weights(weights)
+    return instance.eval().requires_grad_(False)

