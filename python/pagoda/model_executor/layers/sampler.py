@@ -1,0 +1,287 @@
+"""Batched sampling: logits [N, V] for N rows (one per request that samples a
+token this step) -> one token id per row, plus logprobs where asked for.
+
+Order of processing (vLLM v1's):
+  raw logprobs (log_softmax of the logits as the model gave them)
+  -> logit_bias, min_tokens (EOS/stop ids masked), penalties
+  -> greedy rows: argmax here
+  -> temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+
+Logprobs are "raw" (vLLM's default logprobs mode): they describe the model's
+distribution, not the one after penalties, temperature or truncation, so they
+do not depend on sampling knobs and the chosen token may have any rank.
+
+Randomness: a row whose request has a seed draws its noise from that request's
+own torch.Generator, exactly one draw of V exponentials per sampled token, so
+the tokens do not depend on which other requests share the batch or on the
+row's position. Unseeded rows share one draw (the global RNG, or
+`SamplingMetadata.generator`). The engine must only pass rows that really
+sample this step (not partial prefill chunks), or seeded streams drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pagoda.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own generator, on the logits' device; keep it with the
+    request (one per row when n > 1, e.g. seeds seed, seed + 1, ...)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for one step, built by the engine (from_requests).
+    Optional tensors are None when no row uses the feature, so its work is skipped."""
+
+    temperature: torch.Tensor  # [N] float32; 0 marks a greedy row
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [N] float32, 1 = off
+    min_p: torch.Tensor | None = None  # [N] float32, 0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its request's generator
+    generator: torch.Generator | None = None  # for unseeded rows; None = torch's global RNG
+    presence_penalties: torch.Tensor | None = None  # [N]
+    frequency_penalties: torch.Tensor | None = None  # [N]
+    repetition_penalties: torch.Tensor | None = None  # [N]
+    prompt_token_ids: Sequence[Sequence[int]] | None = None  # per row; needed for repetition_penalty
+    output_token_ids: Sequence[Sequence[int]] = ()  # per row: tokens generated so far
+    min_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> token ids to mask (still below min_tokens)
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: bias}
+    num_logprobs: list[int | None] | None = None  # per row; None when no row asks
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        if self.num_logprobs is None:
+            return None
+        return max((k for k in self.num_logprobs if k is not None), default=None)
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
+    ) -> SamplingMetadata:
+        """One row per (request, sample): `generators[i]` is row i's own
+        generator (None when unseeded); `eos_token_ids` are masked with the
+        stop ids while a row has fewer than min_tokens outputs."""
+        if len(output_token_ids) != len(params):
+            raise ValueError(f"{len(params)} rows of params but {len(output_token_ids)} of output_token_ids")
+        def floats(name):
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+
+        temperature = floats("temperature")
+        greedy = [p.temperature == 0.0 for p in params]
+        md = cls(temperature=temperature, all_greedy=all(greedy), all_random=not any(greedy),
+                 output_token_ids=output_token_ids, generator=generator)
+        if any(p.top_k > 0 for p in params):
+            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            md.top_p = floats("top_p")
+        if any(p.min_p > 0.0 for p in params):
+            md.min_p = floats("min_p")
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            md.presence_penalties = floats("presence_penalty")
+            md.frequency_penalties = floats("frequency_penalty")
+        if any(p.repetition_penalty != 1.0 for p in params):
+            if prompt_token_ids is None:
+                raise ValueError("repetition_penalty needs prompt_token_ids")
+            md.repetition_penalties = floats("repetition_penalty")
+            md.prompt_token_ids = prompt_token_ids
+        if generators is not None:
+            md.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
+        for i, p in enumerate(params):
+            if len(output_token_ids[i]) < p.min_tokens:
+                md.min_tokens[i] = sorted(set(p.stop_token_ids) | set(eos_token_ids))
+            if p.logit_bias:
+                md.logit_bias[i] = p.logit_bias
+        if any(p.logprobs is not None for p in params):
+            md.num_logprobs = [p.logprobs for p in params]
+        return md
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: token_ids[0]/logprobs[0] is the chosen (or
+    prompt) token with its rank; then the top-k tokens, most likely first
+    (their ranks are 1..k)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, trimmed to that row's k; None if no row asked
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # A private float32 copy: the steps below work in place.
+        logits = logits.to(torch.float32, copy=True)
+        apply_logit_bias(logits, md.logit_bias)
+        apply_min_tokens(logits, md.min_tokens)
+        apply_penalties(logits, md)
+        sampled = self._sample(logits, md)
+        out = SamplerOutput(sampled_token_ids=sampled.tolist())
+        if raw_logprobs is not None:
+            out.logprobs = _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, md.num_logprobs)
+        return out
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+        is_greedy = md.temperature == 0.0
+        # Greedy rows divide by 1 (their random draw is discarded below).
+        logits.div_(torch.where(is_greedy, 1.0, md.temperature).unsqueeze(1))
+        if md.min_p is not None:
+            apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = exponential_race(probs, md.generators, md.generator)
+        return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
+    if not logit_bias:
+        return
+    rows = [r for r, b in logit_bias.items() for _ in b]
+    cols = [t for b in logit_bias.values() for t in b]
+    vals = [v for b in logit_bias.values() for v in b.values()]
+    idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, list[int]]) -> None:
+    """Rows still below min_tokens cannot pick EOS or a stop token id."""
+    rows = [r for r, ids in min_tokens.items() for _ in ids]
+    if rows:
+        cols = [t for ids in min_tokens.values() for t in ids]
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """[N, V] int counts of each token per row, from ragged lists (padded with V,
+    a spare column that is dropped)."""
+    n = len(token_ids)
+    width = max((len(t) for t in token_ids), default=0)
+    padded = torch.full((n, width), vocab_size, dtype=torch.int64)
+    for i, t in enumerate(token_ids):
+        if len(t):
+            padded[i, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    counts = torch.zeros((n, vocab_size + 1), dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=torch.int32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """repetition_penalty (HF/CTRL: over prompt and output tokens, positive
+    logits divided, negative multiplied); frequency and presence penalties
+    (OpenAI: over output tokens, subtract count * f and [count > 0] * p)."""
+    if md.repetition_penalties is None and md.presence_penalties is None:
+        return
+    n, vocab = logits.shape
+    out_counts = _token_counts(md.output_token_ids, vocab, logits.device)
+    if md.repetition_penalties is not None:
+        seen = (_token_counts(md.prompt_token_ids, vocab, logits.device) > 0) | (out_counts > 0)
+        rep = md.repetition_penalties.unsqueeze(1).expand(n, vocab)
+        rep = torch.where(seen, rep, 1.0)
+        logits.copy_(torch.where(logits > 0, logits / rep, logits * rep))
+    if md.presence_penalties is not None:
+        logits.sub_(md.frequency_penalties.unsqueeze(1) * out_counts)
+        logits.sub_(md.presence_penalties.unsqueeze(1) * (out_counts > 0))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens whose probability is below min_p times the top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """Keep the k largest logits (ties with the k-th kept too), then the smallest
+    set of most likely tokens whose probability reaches p (always at least one).
+    One ascending sort serves both."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i
+    (equivalent to Gumbel-max), with no CDF search."""
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_(generator=generator)
+    for row, gen in generators.items():  # per-request streams: one draw per token
+        noise[row].exponential_(generator=gen)
+    # A zero draw would make 0/0 = NaN for a masked token, and argmax picks NaN.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
+                     per_row_k: Sequence[int | None] | None = None) -> list[TokenLogprobs | None]:
+    """The given token's logprob and rank (1 + the number of strictly more
+    likely tokens) and the top-k, per row, as plain lists."""
+    k = min(k, logprobs.shape[1])
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
+    vals = torch.cat([chosen, top_vals], dim=1).tolist()
+    ranks = ranks.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i in range(len(ids)):
+        row_k = k if per_row_k is None else per_row_k[i]
+        out.append(None if row_k is None else TokenLogprobs(ids[i][: row_k + 1], vals[i][: row_k + 1], ranks[i]))
+    return out
+
+
+def compute_token_logprobs(logits: torch.Tensor, target_token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Row i of logits scored against target_token_ids[i] (raw logprobs)."""
+    targets = torch.as_tensor(list(target_token_ids), dtype=torch.int64, device=logits.device)
+    return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Prompt logprobs from the logits at prompt positions [P, V]: position i
+    predicts token i + 1, so this returns P - 1 entries for prompt tokens
+    1..P-1 (vLLM's list starts with None for token 0; the caller adds it).
+    With chunked prefill, score each chunk with compute_token_logprobs
+    against the next P tokens instead."""
+    if logits.shape[0] != len(prompt_token_ids):
+        raise ValueError(f"logits has {logits.shape[0]} rows but the prompt has {len(prompt_token_ids)} tokens")
+    return compute_token_logprobs(logits[:-1], list(prompt_token_ids)[1:], k)

@@ -1,0 +1,88 @@
+"""What the engine hands back to callers, with vLLM's class and attribute names
+so code written against vLLM's outputs reads ours unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Why a completion ended: "stop" (EOS, a stop token id or a stop string),
+# "length" (max_tokens or the model's context), "abort" (the caller),
+# "timeout" (SamplingParams.timeout_seconds passed), None while running.
+FINISH_REASONS = ("stop", "length", "abort", "timeout")
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability; rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position; the first is None (nothing predicts the first token).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={_short(self.token_ids)}, "
+                f"cumulative_logprob={self.cumulative_logprob}, "
+                f"logprobs={'None' if self.logprobs is None else f'<{len(self.logprobs)} positions>'}, "
+                f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = field(default=None)  # prompt tokens served from the prefix cache
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={_short(self.prompt_token_ids)}, "
+                f"prompt_logprobs={'None' if self.prompt_logprobs is None else f'<{len(self.prompt_logprobs)} positions>'}, "
+                f"outputs={self.outputs!r}, finished={self.finished}, metrics={self.metrics!r})")
+
+
+def _short(ids: list[int], keep: int = 8) -> str:
+    """Long token lists shortened in reprs: logs stay readable."""
+    if len(ids) <= 2 * keep:
+        return repr(list(ids))
+    head = ", ".join(map(str, ids[:keep]))
+    tail = ", ".join(map(str, ids[-keep:]))
+    return f"[{head}, ... ({len(ids) - 2 * keep} more), {tail}]"

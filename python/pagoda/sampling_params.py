@@ -1,0 +1,159 @@
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+Values are checked when the object is built; a bad value is a ValueError that
+names the field. The object remembers which fields the caller passed
+(`explicit_fields`) so the engine can fill the others from a model's
+generation_config.json without overriding what the user asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by them
+# only amplifies float noise, and argmax is what the user means.
+SAMPLING_EPS = 1e-5
+
+# generation_config.json keys the engine may use as per-model defaults. vLLM's
+# list, minus max_new_tokens: a model's generation length is not an API default.
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off (both vLLM conventions; -1 is stored as 0)
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    timeout_seconds: float | None = None  # per-request deadline, from arrival
+
+    # Records the keyword arguments the caller passed. __new__ sees the same
+    # arguments as the generated __init__, and copy/pickle restore the set
+    # from __dict__, so clones keep it.
+    def __new__(cls, **kwargs):
+        self = super().__new__(cls)
+        self._explicit = frozenset(kwargs)
+        return self
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            # JSON clients send token ids as strings; keys become ints here.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the other sampling knobs cannot change the argmax.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(_is_number(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
+        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
+        need(_is_number(self.temperature) and self.temperature >= 0,
+             f"temperature must be non-negative, got {self.temperature!r}")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(_is_int(self.top_k) and self.top_k >= 0,
+             f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k!r}")
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        need(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        need(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+             f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        need(_is_int(self.min_tokens) and self.min_tokens >= 0,
+             f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(v is None or (_is_int(v) and v >= 0), f"{name} must be non-negative, got {v!r}")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            v = getattr(self, name)
+            need(isinstance(v, bool), f"{name} must be a bool, got {v!r}")
+        need(self.detokenize or not self.stop, "stop strings are only supported when detokenize is True")
+        if self.logit_bias is not None:
+            need(all(k >= 0 for k in self.logit_bias), f"logit_bias token ids must be non-negative, got {self.logit_bias!r}")
+        need(self.timeout_seconds is None or (_is_number(self.timeout_seconds) and self.timeout_seconds > 0),
+             f"timeout_seconds must be positive, got {self.timeout_seconds!r}")
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields the caller set when building this object."""
+        return self._explicit
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def update_from_generation_config(self, generation_config: dict, explicitly_set: set[str] | None = None) -> None:
+        """Take the model's defaults (generation_config.json) for the sampling
+        fields in GENERATION_CONFIG_FIELDS that the user did not set.
+        `explicitly_set` defaults to the fields given to the constructor."""
+        explicit = self._explicit if explicitly_set is None else explicitly_set
+        changed = False
+        for name in GENERATION_CONFIG_FIELDS:
+            if name not in explicit and generation_config.get(name) is not None:
+                setattr(self, name, generation_config[name])
+                changed = True
+        if changed:
+            self.__post_init__()
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Token ids the sampler indexes with must exist in the vocabulary."""
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token ids {bad} outside the vocabulary (size {vocab_size})")
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+# Defaults by name, e.g. for the OpenAI server's request models.
+DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
