@@ -1,0 +1,159 @@
+"""Continuous batching as one token-budget loop (vLLM v1's shape): every step
+each request is given the tokens it still lacks KV for -- a prompt chunk, a
+recomputation after preemption, or the one token sampled last step -- up to
+max_num_batched_tokens in total and max_num_seqs running. Chunked prefill,
+decode and (later) prefix-cache hits are the same arithmetic over
+num_computed_tokens.
+
+The scheduler never touches tensors: its output is a plain dataclass the model
+runner turns into inputs, and update_from_output takes plain token ids back.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_position: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this step completes the request's known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+
+        # Running requests first, oldest first; on a full pool the newest
+        # running request is preempted (recomputed later) to make room.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                output.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                continue  # request itself was preempted: it left self.running
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Then waiting requests, in arrival order, while there is room and no
+        # one was just preempted (they would take the blocks straight back).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not output.preempted_ids:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for request in self.running:
+            num_new = scheduled.get(request.request_id, 0)
+            if num_new == 0:
+                continue
+            start = request.num_computed_tokens
+            output.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids_slice(start, start + num_new),
+                    start_position=start,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    sample=start + num_new == request.num_tokens,
+                )
+            )
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, requeue at the front."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances the scheduled requests; `sampled` maps request id -> new
+        token for those that sampled. Returns the requests that got a token."""
+        advanced = []
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += len(item.token_ids)
+            if item.sample:
+                request.output_token_ids.append(sampled[item.request_id])
+                advanced.append(request)
+        return advanced
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request (stop, length, abort, timeout) and frees its blocks."""
+        if request.is_finished:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+        del self.requests[request.request_id]

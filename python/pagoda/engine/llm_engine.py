@@ -1,0 +1,229 @@
+"""LLMEngine: add_request / step / abort_request over the scheduler, the model
+runner, the sampler and the output processor -- all in one process.
+
+Data flows one way each step: scheduler decision -> runner inputs -> model ->
+sampler -> detokenizer/stop checks -> RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.output_processor import Completion, RequestState
+from pagoda.logger import init_logger
+from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, make_generator
+from pagoda.outputs import RequestMetrics, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "timeout": RequestStatus.FINISHED_TIMEOUT,
+}
+
+
+def load_tokenizer(model_config: ModelConfig):
+    from transformers import AutoTokenizer
+
+    if model_config.tokenizer is not None:
+        return AutoTokenizer.from_pretrained(model_config.tokenizer)
+    if model_config.gguf_file:
+        return AutoTokenizer.from_pretrained(model_config.folder, gguf_file=model_config.gguf_file)
+    return AutoTokenizer.from_pretrained(model_config.folder)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig):
+        self.model_config = model_config
+        self.tokenizer = load_tokenizer(model_config)
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config)
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.vocab_size = model_config.hf_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(model_config, self.tokenizer)
+        self.generation_defaults = model_config.generation_config
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, RequestState] = {}  # child (scheduler) request id -> its request
+        self.generators: dict[str, torch.Generator] = {}
+        self.completions: dict[str, Completion] = {}
+
+    # --- requests -----------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validates and queues a request; ValueError (naming the field) on bad input."""
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        if self.generation_defaults:
+            params.update_from_generation_config(self.generation_defaults)
+        params.verify_vocab(self.vocab_size)
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(len(token_ids))
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        state = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=arrival_time))
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, eos_token_ids=self.eos_token_ids)
+            state.completions.append(Completion(index, child_id, detokenizer))
+            if params.seed is not None:
+                self.generators[child_id] = make_generator(params.seed + index)
+            self.parents[child_id] = state
+            self.scheduler.add_request(Request(child_id, token_ids, params, arrival_time, priority))
+        self.states[request_id] = state
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, token_ids) -> list[int]:
+        token_ids = list(token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return token_ids
+
+    def _check_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt is empty: it needs at least one token")
+        max_len = self.model_config.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_len}: "
+                f"a prompt must leave room for at least one generated token"
+            )
+        capacity = self.runner.num_blocks * self.kv_cache_manager.block_size
+        if num_prompt_tokens + 1 > capacity:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens but the KV cache holds only {capacity}: raise kv_cache_space"
+            )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Ends requests now (finish_reason "abort") and frees their KV blocks."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                continue
+            for completion in state.completions:
+                if not completion.detokenizer.finished:
+                    completion.detokenizer.finish("abort")
+                self._release(completion.child_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    # --- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples and returns the outputs of
+        the requests that advanced (finished ones for the last time)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler could not schedule any pending request (KV cache too small?)")
+            return []
+        now = time.time()
+        for item in scheduled.scheduled:
+            metrics = self.parents[item.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        logits = self.runner.execute(scheduled)
+        sampling = [item for item in scheduled.scheduled if item.sample]
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, Any] = {}
+        if sampling:
+            requests = [self.scheduler.requests[item.request_id] for item in sampling]
+            metadata = SamplingMetadata.from_requests(
+                [r.sampling_params for r in requests],
+                [r.output_token_ids for r in requests],
+                prompt_token_ids=[r.prompt_token_ids for r in requests],
+                generators=[self.generators.get(r.request_id) for r in requests],
+                eos_token_ids=self.eos_token_ids,
+            )
+            result = self.sampler(logits, metadata)
+            for row, request in enumerate(requests):
+                sampled[request.request_id] = result.sampled_token_ids[row]
+                if result.logprobs is not None:
+                    logprobs[request.request_id] = result.logprobs[row]
+        advanced = self.scheduler.update_from_output(scheduled, sampled)
+
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for request in advanced:
+            state = self.parents[request.request_id]
+            completion = state.completions[0] if state.params.n == 1 else self._completion(state, request.request_id)
+            row_logprobs = logprobs.get(request.request_id)
+            completion.detokenizer.append([request.output_token_ids[-1]], None if row_logprobs is None else [row_logprobs])
+            if not completion.detokenizer.finished and request.num_tokens >= self.model_config.max_model_len:
+                completion.detokenizer.finish("length")
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            if completion.detokenizer.finished:
+                self._release(request.request_id, _FINISH_STATUS[completion.detokenizer.finish_reason])
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.output())
+            if state.finished:
+                self.states.pop(state.request_id, None)
+        return outputs
+
+    @staticmethod
+    def _completion(state: RequestState, child_id: str) -> Completion:
+        return next(c for c in state.completions if c.child_id == child_id)
+
+    def _release(self, child_id: str, status: RequestStatus) -> None:
+        request = self.scheduler.requests.get(child_id)
+        if request is not None:
+            self.scheduler.finish(request, status)
+        self.parents.pop(child_id, None)
+        self.generators.pop(child_id, None)
+
+
+def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:
+    ids = set()
+    for source in (model_config.generation_config.get("eos_token_id"), getattr(model_config.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(i for i in source if isinstance(i, int))
+    return sorted(ids)

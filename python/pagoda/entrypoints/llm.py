@@ -1,0 +1,139 @@
+"""The offline API, with vLLM's names: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An LLM with a paged KV cache and continuous batching, for offline batches.
+
+    model: a Hugging Face folder (config.json + safetensors), a .gguf file, or a
+    folder holding one .gguf file. kv_cache_space: the CPU KV cache size, in GiB
+    (or bytes when >= 4096), like vLLM's VLLM_CPU_KVCACHE_SPACE.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        load_format: str = "auto",
+        kv_cache_space: float = 4,
+        enforce_eager: bool = False,
+        num_gpu_blocks_override: int | None = None,
+    ):
+        if device not in ("auto", "cpu"):
+            raise ValueError(f"device={device!r}: this build of Pagoda runs on the CPU only (the GPU runner is not built yet)")
+        model_config = ModelConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed, load_format=load_format
+        )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
+        self.llm_engine = LLMEngine(
+            model_config,
+            CacheConfig(block_size=block_size, kv_cache_space=kv_cache_space, num_gpu_blocks_override=num_gpu_blocks_override),
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        )
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completes every prompt; returns one RequestOutput per prompt, in order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt)."""
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts: pass one or one per prompt"
+                )
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            # Leave no half-finished batch holding KV blocks behind.
+            self.llm_engine.abort_request(request_ids)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (or `chat_template`) to one
+        conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise ValueError("messages must be a list of {'role', 'content'} dicts, or a list of such lists")
+            token_ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        started, generated = time.perf_counter(), 0
+        with bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        generated += sum(len(o.token_ids) for o in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {generated / (time.perf_counter() - started):.1f} tok/s")
+        return [finished[request_id] for request_id in request_ids]
