@@ -64,6 +64,26 @@ def test_greedy_logprobs_match_the_model(llm):
     assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)))
 
 
+@pytest.mark.parametrize("chunk", [4096, 3])
+def test_prompt_logprobs_match_the_model(llm, chunk):
+    prompt = [70, 71, 72, 73, 74, 75, 76, 77]
+    engine = llm.llm_engine
+    engine.scheduler.max_num_batched_tokens, saved = chunk, engine.scheduler.max_num_batched_tokens
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    finally:
+        engine.scheduler.max_num_batched_tokens = saved
+    with torch.no_grad():
+        reference = torch.log_softmax(llm.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = out.prompt_logprobs[position]
+        token = prompt[position]
+        assert entry[token].logprob == pytest.approx(reference[position - 1, token].item(), abs=1e-4)
+        top = reference[position - 1].topk(2).indices.tolist()
+        assert set(top) <= set(entry)
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     greedy = llm.generate([[50, 51]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     stop_at = tokens(greedy)[3]
@@ -131,6 +151,27 @@ def test_abort_frees_blocks(llm):
     engine.abort_request("to-abort")
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_deadline_ends_a_slow_request_with_its_partial_text(llm, monkeypatch):
+    import time
+
+    engine = llm.llm_engine
+    execute = engine.runner.execute
+
+    def slow_execute(*args, **kwargs):
+        time.sleep(0.05)  # 1000 tokens would take 50 s
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    started = time.monotonic()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1000, ignore_eos=True, timeout_seconds=1.0), use_tqdm=False)[0]
+    elapsed = time.monotonic() - started
+    completion = out.outputs[0]
+    assert completion.finish_reason == "timeout"
+    assert 0 < len(completion.token_ids) < 1000
+    assert elapsed < 1.0 + 0.5  # the deadline plus about one step
+    assert out.finished
 
 
 def test_mismatched_params_list_is_rejected(llm):

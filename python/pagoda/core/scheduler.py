@@ -25,6 +25,7 @@ class ScheduledRequest:
     start_position: int  # position of token_ids[0]
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this step completes the request's known tokens: sample the next one
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Scheduler:
                     start_position=start,
                     block_ids=self.kv.block_ids(request.request_id),
                     sample=start + num_new == request.num_tokens,
+                    num_prompt_tokens=request.num_prompt_tokens,
                 )
             )
         return output

@@ -16,10 +16,10 @@ from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
-from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.detokenizer import IncrementalDetokenizer, make_prompt_logprobs
 from pagoda.engine.output_processor import Completion, RequestState
 from pagoda.logger import init_logger
-from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, make_generator
+from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, make_generator
 from pagoda.outputs import RequestMetrics, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.model_runner import ModelRunner
@@ -83,6 +83,11 @@ class LLMEngine:
         self._check_length(len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time
         state = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=arrival_time))
+        if params.timeout_seconds is not None:
+            # Monotonic: a wall-clock jump must not end or extend requests.
+            state.deadline = time.monotonic() - (time.time() - arrival_time) + params.timeout_seconds
+        if params.prompt_logprobs is not None and len(token_ids) == 1:
+            state.prompt_logprobs = [None]  # nothing predicts a lone first token
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, eos_token_ids=self.eos_token_ids)
@@ -155,17 +160,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules, runs the model once, samples and returns the outputs of
         the requests that advanced (finished ones for the last time)."""
+        timed_out = self._expire_deadlines()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any pending request (KV cache too small?)")
-            return []
+            return timed_out
         now = time.time()
         for item in scheduled.scheduled:
             metrics = self.parents[item.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        logits = self.runner.execute(scheduled)
+        wants_prompt_logprobs = frozenset(
+            item.request_id for item in scheduled.scheduled
+            if self.parents[item.request_id].prompt_logprobs is None
+            and self.parents[item.request_id].params.prompt_logprobs is not None
+            and self.parents[item.request_id].completions[0].child_id == item.request_id
+        )
+        logits, prompt_logits = self.runner.execute(scheduled, wants_prompt_logprobs)
+        for child_id, (first_position, chunk_logits) in prompt_logits.items():
+            self._add_prompt_logprobs(self.parents[child_id], first_position, chunk_logits)
         sampling = [item for item in scheduled.scheduled if item.sample]
         sampled: dict[str, int] = {}
         logprobs: dict[str, Any] = {}
@@ -200,12 +214,39 @@ class LLMEngine:
             if completion.detokenizer.finished:
                 self._release(request.request_id, _FINISH_STATUS[completion.detokenizer.finish_reason])
             touched[state.request_id] = state
-        outputs = []
+        outputs = timed_out
         for state in touched.values():
             outputs.append(state.output())
             if state.finished:
                 self.states.pop(state.request_id, None)
         return outputs
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        """Ends every request whose timeout_seconds has passed, waiting or
+        running, with finish_reason "timeout" and its partial text."""
+        now = time.monotonic()
+        expired = [s for s in self.states.values() if s.deadline is not None and now >= s.deadline]
+        outputs = []
+        for state in expired:
+            for completion in state.completions:
+                if not completion.detokenizer.finished:
+                    completion.detokenizer.finish("timeout")
+                    self._release(completion.child_id, RequestStatus.FINISHED_TIMEOUT)
+            outputs.append(state.output())
+            del self.states[state.request_id]
+        return outputs
+
+    def _add_prompt_logprobs(self, state: RequestState, first_position: int, logits: torch.Tensor) -> None:
+        """Scores prompt tokens first_position+1.. (a recomputation after
+        preemption repeats positions already scored: those are skipped)."""
+        done = len(state.prompt_logprob_entries)
+        skip = done - first_position
+        if skip >= logits.shape[0]:
+            return
+        targets = state.prompt_token_ids[first_position + skip + 1 : first_position + logits.shape[0] + 1]
+        state.prompt_logprob_entries += compute_token_logprobs(logits[skip:], targets, state.params.prompt_logprobs)
+        if len(state.prompt_logprob_entries) == len(state.prompt_token_ids) - 1:
+            state.prompt_logprobs = make_prompt_logprobs(state.prompt_logprob_entries, self.tokenizer)
 
     @staticmethod
     def _completion(state: RequestState, child_id: str) -> Completion:

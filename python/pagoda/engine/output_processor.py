@@ -41,7 +41,9 @@ class RequestState:
     params: SamplingParams
     completions: list[Completion]
     metrics: RequestMetrics
+    deadline: float | None = None  # time.monotonic() after which the request ends with "timeout"
     prompt_logprobs: list | None = None
+    prompt_logprob_entries: list = field(default_factory=list)  # TokenLogprobs for prompt tokens 1.. so far
     num_cached_tokens: int = 0
     reported_finished: bool = field(default=False)
 

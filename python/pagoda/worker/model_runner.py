@@ -103,12 +103,26 @@ class ModelRunner:
         return input_ids, positions, metadata
 
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> torch.Tensor:
-        """Runs one step; returns float32 logits of the requests that sample
-        this step, in the order they appear in `scheduled`."""
+    def execute(
+        self, scheduled: SchedulerOutput, prompt_logprob_ids: frozenset[str] = frozenset()
+    ) -> tuple[torch.Tensor, dict[str, tuple[int, torch.Tensor]]]:
+        """Runs one step. Returns float32 logits of the requests that sample
+        this step (in the order they appear in `scheduled`), and for each
+        request in `prompt_logprob_ids` that computed prompt tokens this step,
+        (first position, logits at its prompt positions that predict a prompt token)."""
         input_ids, positions, metadata = self.prepare_inputs(scheduled)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
         rows = [i for i, item in enumerate(scheduled.scheduled) if item.sample]
         last_token = (metadata.query_start_loc[1:] - 1)[rows].long()
-        return self.model.compute_logits(hidden[last_token])
+        prompt_logits = {}
+        for i, item in enumerate(scheduled.scheduled):
+            if item.request_id not in prompt_logprob_ids:
+                continue
+            # Position p predicts prompt token p + 1: positions up to P - 2.
+            end = min(item.start_position + len(item.token_ids), item.num_prompt_tokens - 1)
+            if end > item.start_position:
+                first_row = int(metadata.query_start_loc[i])
+                chunk = hidden[first_row : first_row + end - item.start_position]
+                prompt_logits[item.request_id] = (item.start_position, self.model.compute_logits(chunk))
+        return self.model.compute_logits(hidden[last_token]), prompt_logits
