@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from op_testing import skip_without_kernel
+
 from pagoda import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -24,18 +26,9 @@ HEADS = [(8, 8), (9, 3), (8, 2), (8, 1)]
 UNUSED_BLOCK = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    torch.manual_seed(0)
-
-
 @pytest.fixture
 def device(device):
-    if device != "cpu" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "pagoda::paged_attention", device.upper()
-    ):
-        pytest.skip(f"no {device} implementation of paged_attention yet")
-    return device
+    return skip_without_kernel("paged_attention", device)
 
 
 def make_batch(

@@ -3,23 +3,16 @@
 import pytest
 import torch
 
+from op_testing import skip_without_kernel
+
 from pagoda import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    torch.manual_seed(0)
-
-
 @pytest.fixture
 def device(device):
-    if device != "cpu" and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        "pagoda::reshape_and_cache", device.upper()
-    ):
-        pytest.skip(f"no {device} implementation of reshape_and_cache yet")
-    return device
+    return skip_without_kernel("reshape_and_cache", device)
 
 
 def make_caches(num_blocks, block_size, num_kv_heads, head_size, dtype, device):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tolerances import TOLERANCES, strided_rows
+from op_testing import TOLERANCES, strided_rows
 
 from pagoda import ops
 

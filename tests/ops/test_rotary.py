@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tolerances import TOLERANCES
+from op_testing import TOLERANCES
 
 from pagoda import ops
 

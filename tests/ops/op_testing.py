@@ -1,5 +1,6 @@
-"""Comparison helpers shared by the kernel tests."""
+"""Helpers shared by the kernel tests: tolerances, awkward inputs, skips."""
 
+import pytest
 import torch
 
 TOLERANCES = {
@@ -14,3 +15,10 @@ TOLERANCES = {
 def strided_rows(rows: int, width: int, dtype, device, pad: int = 5) -> torch.Tensor:
     """A [rows, width] view whose row stride is width + pad (not contiguous)."""
     return torch.randn(rows, width + pad, dtype=dtype, device=device)[:, :width]
+
+
+def skip_without_kernel(op: str, device: str) -> str:
+    """`device`, or a skip when the op has no kernel for it yet."""
+    if device != "cpu" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper()):
+        pytest.skip(f"no {device} implementation of {op} yet")
+    return device
