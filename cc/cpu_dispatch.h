@@ -19,6 +19,7 @@ struct KernelTable {
   decltype(&avx2::rotary_embedding) rotary_embedding;
   decltype(&avx2::reshape_and_cache) reshape_and_cache;
   decltype(&avx2::paged_attention) paged_attention;
+  decltype(&avx2::linear) linear;
 };
 
 // The selected kernels; selects from PAGODA_CPU_ISA on first use and throws

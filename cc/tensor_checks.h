@@ -188,6 +188,42 @@ inline RotaryArgs check_rotary_embedding(const at::Tensor& positions, const at::
 }
 
 
+struct LinearArgs {
+  Rows out, input;  // M rows of N / K elements
+  const void* weight;  // [N, K] contiguous
+  const void* bias;    // [N] or null
+  int64_t M, N, K;
+  DType dtype;
+};
+
+// out[..., N] = input[..., K] @ weight[N, K]^T (+ bias[N]); input and out
+// rows may be strided (last dimension contiguous).
+inline LinearArgs check_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias) {
+  const DType dtype = kernel_dtype(input, "input");
+  check_float_op(weight, "weight", input, "input");
+  check_float_op(out, "out", input, "input");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be 2-D [out_features, in_features], got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.is_contiguous(), "weight must be contiguous (strides ", weight.strides(), ")");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  Rows in_rows = as_rows(input, "input");
+  TORCH_CHECK_VALUE(in_rows.width == K, "input's last dimension (", in_rows.width, ") must equal weight's in_features (",
+                    K, "); input ", input.sizes(), ", weight ", weight.sizes());
+  TORCH_CHECK_VALUE(out.dim() == input.dim() && out.sizes().slice(0, out.dim() - 1) == input.sizes().slice(0, input.dim() - 1) &&
+                        out.size(-1) == N,
+                    "out must have shape ", input.sizes().slice(0, input.dim() - 1), " + [", N, "], got ", out.sizes());
+  Rows out_rows = as_rows(out, "out");
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_float_op(*bias, "bias", input, "input");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                      "bias must be a contiguous 1-D tensor of out_features = ", N, " elements, got shape ",
+                      bias->sizes());
+    bias_ptr = bias->data_ptr();
+  }
+  return LinearArgs{out_rows, in_rows, weight.data_ptr(), bias_ptr, in_rows.count, N, K, dtype};
+}
+
 // A [num_tokens, heads, head_size] tensor whose heads are contiguous within a
 // token (last two dimensions contiguous; any token stride), e.g. a view of one
 // part of a fused qkv projection. Rows are tokens of heads * head_size.

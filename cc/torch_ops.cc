@@ -102,6 +102,14 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   cpu_kernels().paged_attention(p);
 }
 
+void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias) {
+  check_cpu(input, "input");
+  LinearArgs a = check_linear(out, input, weight, bias);
+  cpu_kernels().linear(a.out.data, a.out.stride, a.input.data, a.input.stride, a.weight, a.bias, a.M, a.N, a.K,
+                       a.dtype);
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -118,6 +126,7 @@ TORCH_LIBRARY(pagoda, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
@@ -127,4 +136,5 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("rotary_embedding", &pagoda::rotary_embedding_cpu);
   m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cpu);
   m.impl("paged_attention", &pagoda::paged_attention_cpu);
+  m.impl("linear", &pagoda::linear_cpu);
 }

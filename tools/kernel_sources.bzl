@@ -12,6 +12,7 @@ CPU_KERNEL_SRCS = [
     "cc/cpu/activation.cc",
     "cc/cpu/attention.cc",
     "cc/cpu/cache.cc",
+    "cc/cpu/linear.cc",
     "cc/cpu/norm.cc",
     "cc/cpu/rotary.cc",
 ]

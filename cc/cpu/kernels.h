@@ -99,7 +99,14 @@ struct PagedAttentionParams {
                          int64_t row_width, DType dtype);                        \
   /* Causal attention of new tokens over a paged KV cache; see                   \
      PagedAttentionParams. */                                                    \
-  void paged_attention(const PagedAttentionParams& p);
+  void paged_attention(const PagedAttentionParams& p);                            \
+  /* out[m] = weight @ input[m] (+ bias) for m < M: input rows of K elements     \
+     (input_stride apart), weight [N, K] contiguous, bias [N] or null, out rows  \
+     of N elements (out_stride apart); all in dtype, summed in fp32, rounded     \
+     once. */                                                                    \
+  void linear(void* out, int64_t out_stride, const void* input,                  \
+              int64_t input_stride, const void* weight, const void* bias,        \
+              int64_t M, int64_t N, int64_t K, DType dtype);
 
 namespace pagoda {
 namespace cpu {

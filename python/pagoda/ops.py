@@ -25,6 +25,7 @@ for _name in (
     "rotary_embedding",
     "reshape_and_cache",
     "paged_attention",
+    "linear",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
 
@@ -101,6 +102,19 @@ def paged_attention(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     torch.ops.pagoda.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return out
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), as torch.nn.functional.linear: x [..., K] (rows
+    may be strided, last dimension contiguous), weight [N, K] contiguous, bias
+    [N]; summed in fp32, rounded once to x's dtype. Fast for few rows (decode);
+    for many rows torch's GEMM is faster."""
+    if out is None:
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.pagoda.linear(out, x, weight, bias)
     return out
 
 
@@ -219,3 +233,9 @@ def paged_attention_reference(
         scores = scores.masked_fill(~visible, float("-inf"))
         out[begin:end] = (scores.softmax(dim=-1) @ gather(value_cache)).transpose(0, 1)
     return out.to(query.dtype)
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias in fp64, rounded once to x's dtype."""
+    b = None if bias is None else bias.double()
+    return torch.nn.functional.linear(x.double(), weight.double(), b).to(x.dtype)

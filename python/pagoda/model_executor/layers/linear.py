@@ -13,7 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import ops
 from pagoda.model_executor.weight_utils import default_weight_loader, new_parameter
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias. On the CPU, Pagoda's kernel where it measured
+    faster than torch (tools/benchmarks/bench_cpu_linear.py): fp32 with 2 to 64
+    rows -- decode batches -- and bf16/fp16 always; torch's elsewhere (a lone
+    fp32 row is memory-bound either way; prefill is a large GEMM)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type == "cpu" and (x.dtype != torch.float32 or 2 <= rows <= 64):
+        return ops.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -27,7 +39,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.model_executor.layers.linear import dense
 from pagoda.model_executor.weight_utils import new_parameter
 
 
@@ -32,7 +33,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 [N, vocab]: the matmul runs in the model's dtype (as in
         Hugging Face), the sampler gets fp32."""
-        return F.linear(hidden_states, self.weight).float()
+        return dense(hidden_states, self.weight).float()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
