@@ -109,8 +109,12 @@ class CacheConfig:
     kv_cache_space: float = 4
     # Exactly this many blocks instead of sizing from kv_cache_space (vLLM's name; tests, debugging).
     num_gpu_blocks_override: int | None = None
+    # Automatic prefix caching (vLLM v1's default): full blocks are shared by prompts that start alike.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256:
             raise ValueError(f"block_size must be an int in [1, 256], got {self.block_size!r}")
         if not self.kv_cache_space or self.kv_cache_space <= 0:
@@ -130,8 +134,14 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
+    # "fcfs" (arrival order) or "priority" (lowest request priority value first, ties by arrival).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
+        from pagoda.core.request_queue import SCHEDULING_POLICIES
+
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -41,6 +41,8 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (KVCacheManager fills it)
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,8 +2,10 @@
 each request is given the tokens it still lacks KV for -- a prompt chunk, a
 recomputation after preemption, or the one token sampled last step -- up to
 max_num_batched_tokens in total and max_num_seqs running. Chunked prefill,
-decode and (later) prefix-cache hits are the same arithmetic over
-num_computed_tokens.
+decode and prefix-cache hits (a waiting request starts with num_computed_tokens
+at the end of its cached prefix) are the same arithmetic over
+num_computed_tokens. The waiting queue is ordered by the scheduling policy
+(fcfs or priority), and so is the choice of whom to preempt.
 
 The scheduler never touches tensors: its output is a plain dataclass the model
 runner turns into inputs, and update_from_output takes plain token ids back.
@@ -11,11 +13,11 @@ runner turns into inputs, and update_from_output takes plain token ids back.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
+from pagoda.core.request_queue import create_request_queue
 
 
 @dataclass
@@ -43,11 +45,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ):
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -56,7 +65,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -74,13 +83,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
 
-        # Running requests first, oldest first; on a full pool the newest
-        # running request is preempted (recomputed later) to make room.
+        if self.policy == "priority":
+            # Most important first, so the preemption victim below -- always
+            # the last running request -- is the least important (latest
+            # arrival among equals), and it is never one already scheduled.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+
+        # Running requests first; on a full pool the last running request is
+        # preempted (recomputed later) to make room.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            while self.kv.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 output.preempted_ids.append(victim.request_id)
@@ -93,15 +108,22 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Then waiting requests, in arrival order, while there is room and no
+        # Then waiting requests, in policy order, while there is room and no
         # one was just preempted (they would take the blocks straight back).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not output.preempted_ids:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            request = self.waiting.peek()
+            # A waiting request has no KV (preemption drops it); its cached
+            # prefix, if any, counts as computed.
+            computed_blocks = self.kv.get_computed_blocks(request)
+            num_computed = len(computed_blocks or ()) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.kv.allocate_slots(request, num_computed + num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -124,14 +146,16 @@ class Scheduler:
         return output
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, requeue at the front."""
+        """Recompute preemption: drop the KV (cached blocks stay in the prefix
+        cache, so the recomputation may hit them), requeue at the front (fcfs)
+        or by priority."""
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advances the scheduled requests; `sampled` maps request id -> new
@@ -153,9 +177,6 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            self.waiting.remove(request)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]

@@ -49,9 +49,14 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = load_tokenizer(model_config)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config)
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
-            self.kv_cache_manager, scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
+            self.kv_cache_manager,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+            policy=scheduler_config.scheduling_policy,
         )
         self.sampler = Sampler()
         self.vocab_size = model_config.hf_config.vocab_size
@@ -61,6 +66,9 @@ class LLMEngine:
         self.parents: dict[str, RequestState] = {}  # child (scheduler) request id -> its request
         self.generators: dict[str, torch.Generator] = {}
         self.completions: dict[str, Completion] = {}
+        # Periodic stats line (pagoda.metrics.StatLogger); None = off. Set by
+        # EngineArgs(disable_log_stats=False) and AsyncLLM.
+        self.stat_logger = None
 
     # --- requests -----------------------------------------------------------
 
@@ -168,9 +176,11 @@ class LLMEngine:
             return timed_out
         now = time.time()
         for item in scheduled.scheduled:
-            metrics = self.parents[item.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            state = self.parents[item.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+                # Prompt tokens the first scheduling found in the prefix cache.
+                state.num_cached_tokens = self.scheduler.requests[item.request_id].num_cached_tokens
         wants_prompt_logprobs = frozenset(
             item.request_id for item in scheduled.scheduled
             if self.parents[item.request_id].prompt_logprobs is None
@@ -198,6 +208,8 @@ class LLMEngine:
                 if result.logprobs is not None:
                     logprobs[request.request_id] = result.logprobs[row]
         advanced = self.scheduler.update_from_output(scheduled, sampled)
+        if self.stat_logger is not None:
+            self.stat_logger.record(scheduled, num_generated_tokens=len(advanced))
 
         now = time.time()
         touched: dict[str, RequestState] = {}

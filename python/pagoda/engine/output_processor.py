@@ -24,7 +24,7 @@ class Completion:
         d = self.detokenizer
         return CompletionOutput(
             index=self.index,
-            text=d.output_text,
+            text=d.visible_text,  # never a held-back partial stop string: streamed text only grows
             token_ids=list(d.output_token_ids),
             cumulative_logprob=d.cumulative_logprob,
             logprobs=d.logprobs,

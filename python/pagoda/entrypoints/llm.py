@@ -8,8 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.arg_utils import EngineArgs
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -21,7 +20,9 @@ class LLM:
 
     model: a Hugging Face folder (config.json + safetensors), a .gguf file, or a
     folder holding one .gguf file. kv_cache_space: the CPU KV cache size, in GiB
-    (or bytes when >= 4096), like vLLM's VLLM_CPU_KVCACHE_SPACE.
+    (or bytes when >= 4096), like vLLM's VLLM_CPU_KVCACHE_SPACE. The arguments
+    are EngineArgs' (shared with AsyncLLM); disable_log_stats=False logs a
+    throughput/KV-usage line every 10 s while generating.
     """
 
     def __init__(
@@ -39,19 +40,17 @@ class LLM:
         kv_cache_space: float = 4,
         enforce_eager: bool = False,
         num_gpu_blocks_override: int | None = None,
+        disable_log_stats: bool = True,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
     ):
-        if device not in ("auto", "cpu"):
-            raise ValueError(f"device={device!r}: this build of Pagoda runs on the CPU only (the GPU runner is not built yet)")
-        model_config = ModelConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed, load_format=load_format
-        )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
-        self.llm_engine = LLMEngine(
-            model_config,
-            CacheConfig(block_size=block_size, kv_cache_space=kv_cache_space, num_gpu_blocks_override=num_gpu_blocks_override),
-            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        )
+        self.llm_engine = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed, device=device,
+            load_format=load_format, kv_cache_space=kv_cache_space, enforce_eager=enforce_eager,
+            num_gpu_blocks_override=num_gpu_blocks_override, disable_log_stats=disable_log_stats,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+        ).create_engine()
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -62,11 +61,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Completes every prompt; returns one RequestOutput per prompt, in order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt)."""
+        "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt). `priority`, one
+        per prompt, matters under scheduling_policy="priority" (lower first)."""
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -78,11 +79,14 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts: pass one or one per prompt"
                 )
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts: pass one per prompt")
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

@@ -1,0 +1,253 @@
+"""AsyncLLM end to end on a tiny random Llama (prompts as token ids): concurrent
+streams equal LLM.generate, delta/cumulative/final-only outputs agree,
+cancelling frees the KV blocks, an engine failure reaches every waiter, and
+the event loop keeps running while the engine steps.
+
+pytest-asyncio is not installed: each test drives its coroutine with asyncio.run.
+"""
+
+import asyncio
+import time
+
+import pytest
+from checkpoints import build_hf_model, save_checkpoint
+
+from pagoda import LLM, SamplingParams
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+
+PROMPTS = [[5, 9, 200, 17], [1], list(range(30, 47)), [250, 3], [7] * 30, [100, 101, 102]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE_ARGS = dict(dtype="float32", kv_cache_space=0.05, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, hf_tokenizer):
+    folder = str(tmp_path_factory.mktemp("llama"))
+    save_checkpoint(build_hf_model("llama"), folder)
+    hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """Greedy token ids per prompt from the offline LLM."""
+    outputs = LLM(folder, **ENGINE_ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture
+def llm(folder):
+    llm = AsyncLLM(folder, disable_log_stats=True, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+    assert not llm._thread.is_alive()
+
+
+def slow_down(llm, monkeypatch, seconds):
+    """Each model step also sleeps (releasing the GIL, like a long kernel)."""
+    execute = llm.engine.runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", slow)
+
+
+async def collect(llm, prompt, request_id, params=GREEDY, **kwargs):
+    return [out async for out in llm.generate(prompt, params, request_id, **kwargs)]
+
+
+async def wait_pool_full(llm, timeout=10.0):
+    """The engine thread frees blocks asynchronously: poll until it did."""
+    kv, runner = llm.engine.kv_cache_manager, llm.engine.runner
+    deadline = time.monotonic() + timeout
+    while kv.num_free_blocks != runner.num_blocks:
+        assert time.monotonic() < deadline, f"KV blocks leaked: {kv.num_free_blocks} of {runner.num_blocks} free"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_equal_offline_generate(llm, reference):
+    async def main():
+        streams = await asyncio.gather(*(collect(llm, p, f"r{i}") for i, p in enumerate(PROMPTS)))
+        await wait_pool_full(llm)
+        return streams
+
+    streams = asyncio.run(main())
+    for prompt, stream, expected in zip(PROMPTS, streams, reference):
+        assert [o.finished for o in stream] == [False] * (len(stream) - 1) + [True]
+        final = stream[-1]
+        assert final.prompt_token_ids == prompt
+        assert final.outputs[0].token_ids == expected
+        assert final.outputs[0].finish_reason == "length"
+        lengths = [len(o.outputs[0].token_ids) for o in stream]
+        assert lengths == sorted(lengths) and lengths[0] >= 1  # cumulative
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_delta_and_final_only_agree_with_cumulative(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = [40, 41, 42, 43]
+
+    async def main():
+        return await asyncio.gather(
+            collect(llm, prompt, "cumulative", params),
+            collect(llm, prompt, "delta", params, output_kind=RequestOutputKind.DELTA),
+            collect(llm, prompt, "final", params, output_kind=RequestOutputKind.FINAL_ONLY),
+        )
+
+    cumulative, delta, final = asyncio.run(main())
+    whole = cumulative[-1].outputs[0]
+    assert len(whole.token_ids) == 20 and whole.text
+    assert "".join(o.outputs[0].text for o in delta) == whole.text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == whole.token_ids
+    assert all(o.outputs[0].token_ids for o in delta)  # each delta carries its new token(s)
+    assert delta[-1].finished and delta[-1].outputs[0].finish_reason == "length"
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == whole.token_ids and final[0].outputs[0].text == whole.text
+
+
+def test_bad_requests_raise_value_error_and_the_engine_goes_on(llm, reference):
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(llm, [5, 100000], "bad-ids")
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(llm, [5] * 200, "too-long")
+        agen = llm.generate(PROMPTS[0], GREEDY, "same")
+        outputs = [await agen.__anext__()]
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(llm, PROMPTS[0], "same")
+        outputs += [o async for o in agen]
+        return outputs[-1]
+
+    final = asyncio.run(main())
+    assert final.outputs[0].token_ids == reference[0]
+    assert llm.is_running
+    final = asyncio.run(collect(llm, PROMPTS[0], "after"))[-1]
+    assert final.outputs[0].token_ids == reference[0]
+
+
+def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(llm, monkeypatch):
+    slow_down(llm, monkeypatch, 0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        # 1. Leaving the loop early.
+        seen = 0
+        async for output in llm.generate([1, 2, 3], params, "broken-off"):
+            seen += 1
+            if seen == 3:
+                break
+        # 2. Cancelling the consuming task.
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate([4, 5, 6] * 10, params, "cancelled"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # 3. abort() from outside: the stream ends with finish_reason "abort".
+        abort_me = asyncio.create_task(collect(llm, [9, 9], "aborted", params))
+        await asyncio.sleep(0.05)
+        llm.abort("aborted")
+        aborted = (await asyncio.wait_for(abort_me, 10))[-1]
+        await wait_pool_full(llm)
+        # The engine still serves, also under a reused id.
+        next_params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        return aborted, await collect(llm, [1, 2, 3], "cancelled", next_params)
+
+    aborted, stream = asyncio.run(main())
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert 0 < len(aborted.outputs[0].token_ids) < 100
+    final = stream[-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 3
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_failure_reaches_every_waiter_and_later_calls_fail_fast(llm, monkeypatch):
+    execute = llm.engine.runner.execute
+    calls = 0
+
+    def failing(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("model exploded")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", failing)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(llm, p, f"r{i}", params) for i, p in enumerate(PROMPTS[:4])), return_exceptions=True),
+            timeout=30,
+        )
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            await collect(llm, [1, 2], "later")
+        return results, time.monotonic() - started
+
+    results, later = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert all("model exploded" in str(r) and isinstance(r.__cause__, RuntimeError) for r in results)
+    assert later < 1.0
+    assert llm.errored and not llm.is_running
+    with pytest.raises(EngineDeadError):
+        llm.check_health()
+
+
+def test_the_event_loop_keeps_running_while_the_engine_steps(llm, monkeypatch):
+    step_seconds = 0.05
+    slow_down(llm, monkeypatch, step_seconds)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def main():
+        ticks = []
+        done = asyncio.Event()
+
+        async def ticker():
+            while not done.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.005)
+
+        tick_task = asyncio.create_task(ticker())
+        started = time.monotonic()
+        await asyncio.gather(*(collect(llm, p, f"r{i}", params) for i, p in enumerate(PROMPTS[:3])))
+        elapsed = time.monotonic() - started
+        done.set()
+        await tick_task
+        return ticks, elapsed
+
+    ticks, elapsed = asyncio.run(main())
+    assert elapsed >= 20 * step_seconds
+    # Blocked by the steps, the ticker would get about one tick per step at
+    # best; free, it ticks many times per step and never waits a whole run.
+    assert len(ticks) > 2 * 20
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert max(gaps) < elapsed / 4
+
+
+def test_shutdown_stops_the_thread_and_fails_later_calls(folder):
+    llm = AsyncLLM(folder, disable_log_stats=True, **ENGINE_ARGS)
+    assert llm.is_running and not llm.errored
+    llm.check_health()
+    llm.shutdown()
+    assert not llm._thread.is_alive() and not llm.is_running
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(llm, [1, 2], "after-shutdown"))
+    llm.shutdown()  # idempotent
+
+
+def test_from_engine_wraps_an_existing_engine(folder, reference):
+    offline = LLM(folder, **ENGINE_ARGS)
+    llm = AsyncLLM.from_engine(offline.llm_engine, disable_log_stats=True)
+    try:
+        final = asyncio.run(collect(llm, PROMPTS[2], "x"))[-1]
+        assert final.outputs[0].token_ids == reference[2]
+    finally:
+        llm.shutdown()
