@@ -46,3 +46,19 @@ def sp_tokenizer():
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory, hf_tokenizer):
+    """make_checkpoint(family) -> (HF model, folder): a tiny random checkpoint
+    (tests/models/checkpoints.py) saved with the test tokenizer."""
+    from checkpoints import build_hf_model, save_checkpoint
+
+    def make(name: str):
+        model = build_hf_model(name)
+        folder = str(tmp_path_factory.mktemp(name))
+        save_checkpoint(model, folder)
+        hf_tokenizer.save_pretrained(folder)
+        return model, folder
+
+    return make

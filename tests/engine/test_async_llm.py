@@ -10,7 +10,6 @@ import asyncio
 import time
 
 import pytest
-from checkpoints import build_hf_model, save_checkpoint
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
@@ -21,11 +20,8 @@ ENGINE_ARGS = dict(dtype="float32", kv_cache_space=0.05, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, hf_tokenizer):
-    folder = str(tmp_path_factory.mktemp("llama"))
-    save_checkpoint(build_hf_model("llama"), folder)
-    hf_tokenizer.save_pretrained(folder)
-    return folder
+def folder(make_checkpoint):
+    return make_checkpoint("llama")[1]
 
 
 @pytest.fixture(scope="module")

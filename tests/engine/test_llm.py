@@ -4,8 +4,7 @@ lengths, also with chunked prefill and preemption; the KV pool is whole again
 after every test."""
 
 import pytest
-import torch
-from checkpoints import build_hf_model, save_checkpoint
+from checkpoints import hf_greedy as hf_greedy_n
 
 from pagoda import LLM, SamplingParams
 
@@ -15,21 +14,13 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    return hf_greedy_n(model, prompt, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_rope_llama3", "qwen2", "qwen3", "opt", "mistral"])
-def family(request, tmp_path_factory, hf_tokenizer):
-    model = build_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(model, str(folder))
-    hf_tokenizer.save_pretrained(str(folder))
-    return request.param, model, str(folder)
+def family(request, make_checkpoint):
+    return (request.param, *make_checkpoint(request.param))
 
 
 def assert_pool_full(llm):

@@ -4,17 +4,13 @@ logprobs, stops, errors that name the field, and no KV block is ever leaked."""
 
 import pytest
 import torch
-from checkpoints import build_hf_model, save_checkpoint
 
 from pagoda import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, hf_tokenizer):
-    folder = str(tmp_path_factory.mktemp("llama"))
-    model = build_hf_model("llama")
-    save_checkpoint(model, folder)
-    hf_tokenizer.save_pretrained(folder)
+def llm(make_checkpoint):
+    model, folder = make_checkpoint("llama")
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_num_seqs=4)
     llm.hf_model = model
     yield llm

@@ -6,8 +6,7 @@ serves an important late request first, and the KV pool is whole after every
 test."""
 
 import pytest
-import torch
-from checkpoints import build_hf_model, save_checkpoint
+from checkpoints import hf_greedy
 
 from pagoda import LLM, SamplingParams
 
@@ -16,21 +15,9 @@ SHARED = [PREFIX + [7, 8, 9], PREFIX + [11], PREFIX[:21] + [3, 3], PREFIX + [7, 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module", params=["llama", "opt"])
-def family(request, tmp_path_factory, hf_tokenizer):
-    model = build_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(model, str(folder))
-    hf_tokenizer.save_pretrained(str(folder))
-    return request.param, model, str(folder)
+def family(request, make_checkpoint):
+    return (request.param, *make_checkpoint(request.param))
 
 
 def count_computed_tokens(llm):

@@ -8,7 +8,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from checkpoints import build_hf_model, save_checkpoint
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -43,11 +42,8 @@ def stats_lines():
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, hf_tokenizer):
-    folder = str(tmp_path_factory.mktemp("llama"))
-    save_checkpoint(build_hf_model("llama"), folder)
-    hf_tokenizer.save_pretrained(folder)
-    return folder
+def folder(make_checkpoint):
+    return make_checkpoint("llama")[1]
 
 
 class FakeClock:

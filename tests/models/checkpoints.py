@@ -59,3 +59,12 @@ def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 def save_checkpoint(model: transformers.PreTrainedModel, folder: str, **kwargs) -> str:
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     return folder
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly max_tokens tokens (EOS ignored)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
