@@ -1,5 +1,7 @@
 """The `pagoda` command: `tools/bazel run //:pagoda -- SUBCOMMAND ...`.
 
+  serve              the OpenAI-compatible server (vLLM's flags; same as
+                     `tools/bazel run //server -- ...`)
   bench throughput   offline throughput of LLM.generate on a synthetic
                      workload, with Hugging Face transformers' generate on the
                      same workload in the same run as the baseline
@@ -104,6 +106,11 @@ def bench_throughput(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the server parses its own flags
+        from pagoda.entrypoints.openai.api_server import main as serve
+
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

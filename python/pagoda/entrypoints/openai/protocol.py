@@ -1,0 +1,152 @@
+"""Request schemas (pydantic) for the OpenAI endpoints, with vLLM's extras.
+
+Unknown fields are refused (extra="forbid") rather than ignored, and known
+OpenAI features Pagoda lacks (tools, structured output, best_of) are refused
+with a 400 that says so: a client must never get an answer that silently
+ignored part of its request."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+# Fields shared by both endpoints that map 1:1 onto SamplingParams.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "timeout_seconds")
+
+
+class _SamplingRequest(_Strict):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted: only identifies the end user
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    timeout_seconds: float | None = None  # Pagoda's per-request deadline, from arrival
+    priority: int = 0
+    # Known OpenAI/vLLM fields that Pagoda refuses (checked below).
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        if self.best_of is not None and self.best_of > 1:
+            raise ValueError("best_of > 1 is not supported by Pagoda yet")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams arguments for the fields the client set: unset ones
+        keep the model's generation_config defaults."""
+        return {name: getattr(self, name) for name in _SAMPLING_FIELDS
+                if name in self.model_fields_set and getattr(self, name) is not None}
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt):
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _refuse_completion_features(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported by Pagoda yet")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported by Pagoda yet")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):  # text parts only: joined as OpenAI does
+            content = "\n".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Refused unless they ask for nothing (below).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _refuse_chat_features(self):
+        if self.tools:
+            raise ValueError("tools are not supported by Pagoda yet")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by Pagoda yet")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported by Pagoda yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

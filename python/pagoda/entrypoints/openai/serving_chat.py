@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: messages through the chat template (the
+tokenizer's, or --chat-template), then one engine request with n choices."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.engine.async_llm import RequestOutputKind
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
+                                                      fit_max_tokens, new_id, now, run_all, sampling_params, sse,
+                                                      usage)
+from pagoda.outputs import CompletionOutput
+
+
+def apply_chat_template(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    tokenizer = state.engine.get_tokenizer()
+    messages = [m.as_template_input() for m in request.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages, chat_template=state.chat_template, add_generation_prompt=True,
+                                            tokenize=True)
+    except Exception as exc:  # noqa: BLE001 -- no template, or the template rejected these messages
+        raise APIError(f"could not apply the chat template: {exc}", param="messages") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return check_token_ids(state, list(ids))
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> Response:
+    model = check_model(state, request.model)
+    prompt_ids = apply_chat_template(state, request)
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = fit_max_tokens(state, len(prompt_ids), request.requested_max_tokens, param)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = sampling_params(dict(request.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs))
+    prompts = [{"prompt_token_ids": prompt_ids}]
+    request_id, created = new_id("chatcmpl"), now()
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return StreamingResponse(_stream(state, request_id, created, model, prompts, params, include_usage,
+                                         request.priority), media_type="text/event-stream")
+    final = None
+    try:
+        async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,
+                                    RequestOutputKind.FINAL_ONLY):
+            final = out
+    except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
+        raise engine_error(exc) from exc
+    tokenizer = state.engine.get_tokenizer()
+    choices = [dict(index=c.index, message=dict(role="assistant", content=c.text),
+                    logprobs=_logprobs(c, tokenizer, logprobs) if logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse(dict(id=request_id, object="chat.completion", created=created, model=model, choices=choices,
+                             usage=usage(len(prompt_ids), completion_tokens)))
+
+
+async def _stream(state, request_id, created, model, prompts, params, include_usage, priority) -> AsyncIterator[str]:
+    tokenizer = state.engine.get_tokenizer()
+    chunk = dict(id=request_id, object="chat.completion.chunk", created=created, model=model)
+    # OpenAI opens every choice with a delta that only carries the role.
+    for index in range(params.n):
+        yield sse(dict(chunk, choices=[dict(index=index, delta=dict(role="assistant", content=""), logprobs=None,
+                                            finish_reason=None)]))
+    finished, completion_tokens = set(), 0
+    try:
+        async for _, out in run_all(state.engine, prompts, params, request_id, priority, RequestOutputKind.DELTA):
+            for c in out.outputs:
+                if c.index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
+                    continue
+                completion_tokens += len(c.token_ids)
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                choice = dict(index=c.index, delta=dict(content=c.text) if c.text or c.finish_reason is None else {},
+                              logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
+                              finish_reason=c.finish_reason)
+                yield sse(dict(chunk, choices=[choice]))
+    except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
+        yield sse(engine_error(exc).body())
+    else:
+        if include_usage:
+            yield sse(dict(chunk, choices=[], usage=usage(len(prompts[0]["prompt_token_ids"]), completion_tokens)))
+    yield sse("[DONE]")
+
+
+def _logprobs(c: CompletionOutput, tokenizer, top_n: int) -> dict:
+    """OpenAI's chat logprobs: per token its text, logprob, bytes and the top_n alternatives."""
+    def entry(token_id, lp) -> dict:
+        text = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+        return dict(token=text, logprob=max(lp.logprob, -9999.0), bytes=list(text.encode("utf-8")))
+
+    content = []
+    for token_id, position in zip(c.token_ids, c.logprobs or []):
+        chosen = position.get(token_id)
+        item = entry(token_id, chosen) if chosen else dict(token=tokenizer.decode([token_id]), logprob=None, bytes=None)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+        # The chosen token is in the dict too; the top list is rank 1..top_n.
+        item["top_logprobs"] = [entry(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= top_n][:top_n]
+        content.append(item)
+    return dict(content=content, refusal=None)

@@ -1,0 +1,101 @@
+"""POST /v1/completions: one engine request per prompt, n choices each
+(choice index = prompt index * n + output index, as OpenAI numbers them)."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.engine.async_llm import RequestOutputKind
+from pagoda.entrypoints.openai.protocol import CompletionRequest
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
+                                                      fit_max_tokens, new_id, now, run_all, sampling_params, sse,
+                                                      usage)
+from pagoda.outputs import CompletionOutput
+
+
+async def create_completion(state: ServerState, request: CompletionRequest) -> Response:
+    model = check_model(state, request.model)
+    tokenizer = state.engine.get_tokenizer()
+    # Tokenized here (not in the engine) so the context check can count them.
+    prompts = []
+    for p in request.prompts():
+        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        prompts.append({"prompt": p if isinstance(p, str) else None, "prompt_token_ids": check_token_ids(state, ids)})
+    max_tokens = [fit_max_tokens(state, len(p["prompt_token_ids"]), request.max_tokens, "max_tokens") for p in prompts]
+    # One SamplingParams serves all prompts: max_tokens fits the longest.
+    params = sampling_params(dict(request.sampling_kwargs(), max_tokens=min(max_tokens), logprobs=request.logprobs))
+    echo = [(p["prompt"] if p["prompt"] is not None else tokenizer.decode(p["prompt_token_ids"])) if request.echo
+            else "" for p in prompts]
+    request_id, created = new_id("cmpl"), now()
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        stream = _stream(state, request_id, created, model, prompts, params, echo, include_usage, request.priority)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    finals = {}
+    try:
+        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
+                                    RequestOutputKind.FINAL_ONLY):
+            finals[i] = out
+    except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
+        raise engine_error(exc) from exc
+    choices, completion_tokens = [], 0
+    for i in range(len(prompts)):
+        for c in finals[i].outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append(dict(index=i * params.n + c.index, text=echo[i] + c.text,
+                                logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(len(prompts)))
+    return JSONResponse(dict(id=request_id, object="text_completion", created=created, model=model, choices=choices,
+                             usage=usage(prompt_tokens, completion_tokens)))
+
+
+async def _stream(state, request_id, created, model, prompts, params, echo, include_usage, priority) -> AsyncIterator[str]:
+    tokenizer = state.engine.get_tokenizer()
+    chunk = dict(id=request_id, object="text_completion", created=created, model=model)
+    finished, started, completion_tokens = set(), set(), 0
+    try:
+        async for i, out in run_all(state.engine, prompts, params, request_id, priority, RequestOutputKind.DELTA):
+            for c in out.outputs:
+                index = i * params.n + c.index
+                if index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
+                    continue  # nothing new for this choice in this output
+                completion_tokens += len(c.token_ids)
+                text = c.text if index in started else echo[i] + c.text
+                started.add(index)
+                if c.finish_reason is not None:
+                    finished.add(index)
+                choice = dict(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                              logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None)
+                yield sse(dict(chunk, choices=[choice]))
+    except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
+        yield sse(engine_error(exc).body())
+    else:
+        if include_usage:
+            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            yield sse(dict(chunk, choices=[], usage=usage(prompt_tokens, completion_tokens)))
+    yield sse("[DONE]")
+
+
+def _logprobs(c: CompletionOutput, tokenizer) -> dict:
+    """OpenAI's legacy completion logprobs for the tokens in `c`."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(c.token_ids, c.logprobs or []):
+        chosen = entry.get(token_id)
+        text = _decoded(chosen, token_id, tokenizer)
+        tokens.append(text)
+        token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
+        top.append({_decoded(lp, t, tokenizer): max(lp.logprob, -9999.0) for t, lp in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+
+def _decoded(lp, token_id: int, tokenizer) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])

@@ -1,0 +1,129 @@
+"""What the completion and chat handlers share: the served model, prompt
+checks, SamplingParams from a request, running several engine requests as
+one, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    api_key: str | None = None
+    chat_template: str | None = None
+    log_requests: bool = True
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.model_config.max_model_len
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The name to answer with; 404 for a model this server does not serve."""
+    if model is None or model in state.served_model_names:
+        return state.served_model_names[0] if model is None else model
+    raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_token_ids(state: ServerState, token_ids: list[int]) -> list[int]:
+    vocab = state.engine.engine.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
+    if not token_ids:
+        raise APIError("prompt is empty: it needs at least one token", param="prompt")
+    return token_ids
+
+
+def fit_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    """max_tokens after the context check: prompt + max_tokens must fit in
+    max_model_len (OpenAI's context_length_exceeded); unset means all that is left."""
+    limit = state.max_model_len
+    requested = num_prompt_tokens + (max_tokens if max_tokens is not None else 1)
+    if requested > limit or num_prompt_tokens >= limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested {requested} tokens "
+            f"({num_prompt_tokens} in the prompt, {max_tokens if max_tokens is not None else 1} for the completion). "
+            f"Please reduce the length of the prompt or the completion.",
+            param=param, code="context_length_exceeded")
+    return max_tokens if max_tokens is not None else limit - num_prompt_tokens
+
+
+def sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:  # the message names the field
+        raise APIError(str(exc)) from None
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """An engine failure as the error a client should see."""
+    if isinstance(exc, EngineDeadError):
+        return APIError("the engine is not running; the server must be restarted", status=503)
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    return APIError("internal server error", status=500, type="server_error")
+
+
+async def run_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, request_id: str, priority: int,
+                  kind: RequestOutputKind) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs one engine request per prompt concurrently and yields
+    (prompt index, output) as they come. Closing this iterator (or
+    cancelling its consumer, as a client disconnect does) cancels every
+    request, which aborts them in the engine and frees their KV blocks."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, prompt) -> None:
+        try:
+            async for out in engine.generate(prompt, params, f"{request_id}-{i}", priority=priority, output_kind=kind):
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as exc:  # noqa: BLE001 -- handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(drain(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event, as OpenAI frames them."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,113 @@
+"""The real server on a free loopback port (uvicorn in a background thread)
+around an AsyncLLM on a tiny random Llama whose vocabulary covers a small
+byte-level BPE tokenizer trained here (with a chat template), so text prompts
+and chat work too."""
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+CORPUS = ["hello world, hello again. The quick brown fox jumps over the lazy dog.",
+          "user assistant system: what is the capital of France? Paris is."] * 5
+CHAT_TEMPLATE = ("{% for m in messages %}<sep>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<sep>assistant\n{% endif %}")
+ENGINE_ARGS = dict(dtype="float32", kv_cache_space=0.05, max_num_seqs=4)
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>", "<sep>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                 additional_special_tokens=["<sep>"])
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory):
+    import torch
+    import transformers
+    from checkpoints import LLAMA_LIKE, save_checkpoint
+
+    tokenizer = make_tokenizer()
+    config = transformers.LlamaConfig(**dict(LLAMA_LIKE, vocab_size=320, max_position_embeddings=MAX_MODEL_LEN))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    save_checkpoint(model, folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """build_app + uvicorn.Server.run in a thread; stop() shuts both down."""
+
+    def __init__(self, engine, api_key=None):
+        import uvicorn
+
+        from pagoda.entrypoints.openai.api_server import build_app
+
+        self.engine = engine
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_app(engine, MODEL, api_key=api_key)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    from pagoda.engine.async_llm import AsyncLLM
+
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_pool_full(engine, timeout=10.0):
+    """The engine thread frees blocks asynchronously: poll until it did."""
+    kv, runner = engine.engine.kv_cache_manager, engine.engine.runner
+    deadline = time.monotonic() + timeout
+    while kv.num_free_blocks != runner.num_blocks:
+        assert time.monotonic() < deadline, f"KV blocks leaked: {kv.num_free_blocks} of {runner.num_blocks} free"
+        time.sleep(0.01)
