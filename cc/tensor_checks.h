@@ -32,6 +32,11 @@ inline void check_same_device(const at::Tensor& t, const char* name, const at::T
                     ref.device(), "; all arguments must be on one device");
 }
 
+inline void check_same_shape(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), name, " has shape ", t.sizes(), " but ", ref_name, " has shape ",
+                    ref.sizes());
+}
+
 // A tensor seen as rows of `width` contiguous elements: [..., width] whose
 // leading dimensions collapse into one with a single row stride.
 struct Rows {
@@ -76,8 +81,7 @@ inline RmsNormArgs check_rms_norm(const at::Tensor& out, const at::Tensor& input
   const DType dtype = kernel_dtype(input, "input");
   check_float_op(out, "out", input, "input");
   check_float_op(weight, "weight", input, "input");
-  TORCH_CHECK_VALUE(out.sizes() == input.sizes(), "out has shape ", out.sizes(), " but input has shape ",
-                    input.sizes());
+  check_same_shape(out, "out", input, "input");
   Rows in_rows = as_rows(input, "input");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == in_rows.width && weight.is_contiguous(),
                     "weight must be a contiguous 1-D tensor of the hidden size ", in_rows.width, ", got shape ",
@@ -96,8 +100,7 @@ inline FusedAddRmsNormArgs check_fused_add_rms_norm(const at::Tensor& input, con
   const DType dtype = kernel_dtype(input, "input");
   check_float_op(residual, "residual", input, "input");
   check_float_op(weight, "weight", input, "input");
-  TORCH_CHECK_VALUE(residual.sizes() == input.sizes(), "residual has shape ", residual.sizes(),
-                    " but input has shape ", input.sizes());
+  check_same_shape(residual, "residual", input, "input");
   Rows in_rows = as_rows(input, "input");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == in_rows.width && weight.is_contiguous(),
                     "weight must be a contiguous 1-D tensor of the hidden size ", in_rows.width, ", got shape ",
@@ -244,6 +247,13 @@ inline void check_kv_cache(const at::Tensor& cache, const char* name) {
   TORCH_CHECK_VALUE(cache.is_contiguous(), name, " must be contiguous (strides ", cache.strides(), ")");
 }
 
+// The key and value caches of one layer: each a valid cache, both one shape.
+inline void check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_kv_cache(key_cache, "key_cache");
+  check_same_shape(value_cache, "value_cache", key_cache, "key_cache");
+  check_kv_cache(value_cache, "value_cache");
+}
+
 // A contiguous 1-D index tensor of `size` elements of type `type` (named
 // `type_name` in messages).
 inline void check_index_vector(const at::Tensor& t, const char* name, at::ScalarType type, const char* type_name,
@@ -272,13 +282,9 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const 
   check_float_op(value_cache, "value_cache", key, "key");
   check_same_device(slot_mapping, "slot_mapping", key, "key");
   Rows k = as_token_heads(key, "key");
-  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ",
-                    key.sizes());
+  check_same_shape(value, "value", key, "key");
   Rows v = as_token_heads(value, "value");
-  check_kv_cache(key_cache, "key_cache");
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
-                    " but key_cache has shape ", key_cache.sizes());
-  check_kv_cache(value_cache, "value_cache");
+  check_kv_cache_pair(key_cache, value_cache);
   TORCH_CHECK_VALUE(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), "key_cache holds ",
                     key_cache.size(2), " kv heads of size ", key_cache.size(3), " but key has ", key.size(1),
                     " heads of size ", key.size(2));
@@ -316,13 +322,9 @@ inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at:
   check_same_device(seq_lens, "seq_lens", query, "query");
   check_same_device(query_start_loc, "query_start_loc", query, "query");
   Rows q = as_token_heads(query, "query");
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out has shape ", out.sizes(), " but query has shape ",
-                    query.sizes());
+  check_same_shape(out, "out", query, "query");
   Rows o = as_token_heads(out, "out");
-  check_kv_cache(key_cache, "key_cache");
-  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
-                    " but key_cache has shape ", key_cache.sizes());
-  check_kv_cache(value_cache, "value_cache");
+  check_kv_cache_pair(key_cache, value_cache);
   const int64_t num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
   TORCH_CHECK_VALUE(key_cache.size(3) == head_size, "key_cache's head size is ", key_cache.size(3),
                     " but query's is ", head_size);

@@ -4,7 +4,7 @@ lengths, also with chunked prefill and preemption; the KV pool is whole again
 after every test."""
 
 import pytest
-from checkpoints import hf_greedy as hf_greedy_n
+from checkpoints import hf_greedy
 
 from pagoda import LLM, SamplingParams
 
@@ -12,10 +12,6 @@ PROMPTS = [[5, 9, 200, 17], [1], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44
            [250, 3], [7] * 30, [100, 101, 102], list(range(60, 100)), [12, 13]]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def hf_greedy(model, prompt: list[int]) -> list[int]:
-    return hf_greedy_n(model, prompt, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "llama_rope_llama3", "qwen2", "qwen3", "opt", "mistral"])
@@ -34,7 +30,7 @@ def test_greedy_batch_equals_hugging_face(family):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         assert output.prompt_token_ids == prompt
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt), f"{name}: prompt {prompt}"
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"{name}: prompt {prompt}"
         assert output.outputs[0].finish_reason == "length"
     assert_pool_full(llm)
 
@@ -44,7 +40,7 @@ def test_chunked_prefill_and_small_batches_change_nothing(family):
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_num_batched_tokens=7, max_num_seqs=3)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt), f"{name}: prompt {prompt}"
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"{name}: prompt {prompt}"
     assert_pool_full(llm)
 
 
@@ -56,5 +52,5 @@ def test_preemption_keeps_outputs_identical(family):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(model, prompt), f"{name}: prompt {prompt}"
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, MAX_TOKENS), f"{name}: prompt {prompt}"
     assert_pool_full(llm)

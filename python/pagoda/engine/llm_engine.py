@@ -182,10 +182,7 @@ class LLMEngine:
                 # Prompt tokens the first scheduling found in the prefix cache.
                 state.num_cached_tokens = self.scheduler.requests[item.request_id].num_cached_tokens
         wants_prompt_logprobs = frozenset(
-            item.request_id for item in scheduled.scheduled
-            if self.parents[item.request_id].prompt_logprobs is None
-            and self.parents[item.request_id].params.prompt_logprobs is not None
-            and self.parents[item.request_id].completions[0].child_id == item.request_id
+            item.request_id for item in scheduled.scheduled if self._wants_prompt_logprobs(item.request_id)
         )
         logits, prompt_logits = self.runner.execute(scheduled, wants_prompt_logprobs)
         for child_id, (first_position, chunk_logits) in prompt_logits.items():
@@ -247,6 +244,16 @@ class LLMEngine:
             outputs.append(state.output())
             del self.states[state.request_id]
         return outputs
+
+    def _wants_prompt_logprobs(self, child_id: str) -> bool:
+        """Prompt logprobs are asked for, not complete yet, and computed once
+        per request (by its first completion)."""
+        state = self.parents[child_id]
+        return (
+            state.params.prompt_logprobs is not None
+            and state.prompt_logprobs is None
+            and state.completions[0].child_id == child_id
+        )
 
     def _add_prompt_logprobs(self, state: RequestState, first_position: int, logits: torch.Tensor) -> None:
         """Scores prompt tokens first_position+1.. (a recomputation after
