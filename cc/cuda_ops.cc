@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <climits>
+
 #include "cc/tensor_checks.h"
 #include "cuda/kernels.h"
 
@@ -62,6 +64,75 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, const
                "rotary_embedding");
 }
 
+// Slots are not range-checked: that would need a device sync on every call.
+// The kernel skips tokens whose slot is outside the cache instead.
+void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cuda(key, "key");
+  ReshapeAndCacheArgs a = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  const c10::cuda::CUDAGuard guard(key.device());
+  check_launch(gpu::reshape_and_cache(a.key.data, a.key.stride, a.value.data, a.value.stride, a.key_cache,
+                                      a.value_cache, a.slot_mapping, a.key.count, a.num_slots, a.key.width, a.dtype,
+                                      c10::cuda::getCurrentCUDAStream()),
+               "reshape_and_cache");
+}
+
+int device_attribute(cudaDeviceAttr attribute, int device) {
+  int value = 0;
+  const cudaError_t status = cudaDeviceGetAttribute(&value, attribute, device);
+  TORCH_CHECK(status == cudaSuccess, "cudaDeviceGetAttribute failed: ", cudaGetErrorString(status));
+  return value;
+}
+
+// The metadata's values (seq_lens, block_tables, query_start_loc) stay on the
+// device and are not checked: reading them would sync with the device on every
+// call and break CUDA-graph capture. The launch is planned from shapes alone,
+// and the kernels clamp what they read (bad values give wrong results, never
+// out-of-bounds accesses).
+void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale) {
+  check_cuda(query, "query");
+  PagedAttentionArgs a =
+      check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  if (a.query.count == 0) return;
+  TORCH_CHECK_VALUE(a.num_seqs > 0, "query has ", a.query.count, " tokens but seq_lens is empty");
+  TORCH_CHECK_VALUE(a.max_blocks_per_seq > 0 && a.num_blocks > 0, "query has ", a.query.count,
+                    " tokens but block_tables has no columns or the cache no blocks (block_tables ",
+                    block_tables.sizes(), ", key_cache ", key_cache.sizes(), ")");
+  const c10::cuda::CUDAGuard guard(query.device());
+  const int device = query.get_device();
+  const PagedAttentionParams p = paged_attention_params(a, scale);
+  const gpu::PagedAttentionPlan plan =
+      gpu::plan_paged_attention(p, device_attribute(cudaDevAttrMultiProcessorCount, device),
+                                device_attribute(cudaDevAttrComputeCapabilityMajor, device));
+  TORCH_CHECK_VALUE(plan.error == nullptr, "paged_attention: ", plan.error, " (query ", query.sizes(), ", key_cache ",
+                    key_cache.sizes(), ")");
+  // Split-K scratch; under graph capture this comes from the graph's pool.
+  at::Tensor workspace;
+  if (plan.workspace_floats > 0) {
+    workspace = at::empty({plan.workspace_floats}, query.options().dtype(at::kFloat));
+  }
+  check_launch(gpu::paged_attention(p, plan, workspace.defined() ? workspace.data_ptr<float>() : nullptr,
+                                    c10::cuda::getCurrentCUDAStream()),
+               "paged_attention");
+}
+
+void sample_cuda(at::Tensor& out_ids, const at::Tensor& logits, const at::Tensor& temperature,
+                 const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                 const c10::optional<at::Tensor>& min_p, const at::Tensor& seeds, const at::Tensor& offsets) {
+  check_cuda(logits, "logits");
+  SampleArgs a = check_sample(out_ids, logits, temperature, top_k, top_p, min_p, seeds, offsets);
+  TORCH_CHECK_VALUE(a.logits.width <= gpu::kSampleMaxVocab, "logits has a vocabulary of ", a.logits.width,
+                    " tokens; pagoda::sample takes at most ", gpu::kSampleMaxVocab);
+  TORCH_CHECK_VALUE(a.logits.count <= INT_MAX, "logits has ", a.logits.count, " rows; at most ", INT_MAX);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  check_launch(gpu::sample(a.out_ids, a.logits.data, a.logits.stride, a.logits.count, a.logits.width, a.dtype,
+                           a.temperature, a.top_k, a.top_p, a.min_p, a.seeds, a.offsets,
+                           c10::cuda::getCurrentCUDAStream()),
+               "sample");
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -70,4 +141,7 @@ TORCH_LIBRARY_IMPL(pagoda, CUDA, m) {
   m.impl("fused_add_rms_norm", &pagoda::fused_add_rms_norm_cuda);
   m.impl("silu_and_mul", &pagoda::silu_and_mul_cuda);
   m.impl("rotary_embedding", &pagoda::rotary_embedding_cuda);
+  m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cuda);
+  m.impl("paged_attention", &pagoda::paged_attention_cuda);
+  m.impl("sample", &pagoda::sample_cuda);
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cc/dtype.h"
+#include "cc/paged_attention_params.h"
 
 namespace pagoda {
 
@@ -359,6 +360,32 @@ inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at:
                             dtype};
 }
 
+// What the CPU and GPU kernels take, from checked arguments.
+inline PagedAttentionParams paged_attention_params(const PagedAttentionArgs& a, double scale) {
+  PagedAttentionParams p;
+  p.out = a.out.data;
+  p.out_stride = a.out.stride;
+  p.query = a.query.data;
+  p.query_stride = a.query.stride;
+  p.num_tokens = a.query.count;
+  p.key_cache = a.key_cache;
+  p.value_cache = a.value_cache;
+  p.num_blocks = a.num_blocks;
+  p.block_tables = a.block_tables;
+  p.block_tables_stride = a.block_tables_stride;
+  p.max_blocks_per_seq = a.max_blocks_per_seq;
+  p.seq_lens = a.seq_lens;
+  p.query_start_loc = a.query_start_loc;
+  p.num_seqs = a.num_seqs;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.head_size = a.head_size;
+  p.block_size = a.block_size;
+  p.scale = static_cast<float>(scale);
+  p.dtype = a.dtype;
+  return p;
+}
+
 // The values of paged_attention's metadata: query_start_loc runs from 0 to
 // the number of query tokens without decreasing, no sequence has more new
 // tokens than tokens, and its block table row covers its tokens with existing
@@ -385,6 +412,49 @@ inline void check_paged_attention_metadata(const PagedAttentionArgs& a) {
   }
   TORCH_CHECK_VALUE(qsl[a.num_seqs] == a.query.count, "query_start_loc[", a.num_seqs, "] = ", qsl[a.num_seqs],
                     " but query has ", a.query.count, " tokens");
+}
+
+struct SampleArgs {
+  Rows logits;  // one row of vocab_size logits per sampled token
+  int64_t* out_ids;
+  const float* temperature;
+  const int64_t* top_k;  // null: off for every row (likewise top_p, min_p)
+  const float* top_p;
+  const float* min_p;
+  const int64_t* seeds;
+  const int64_t* offsets;
+  DType dtype;
+};
+
+// out_ids (int64) gets one token per row of logits [num_rows, vocab_size]; the
+// per-row knobs are contiguous 1-D tensors of num_rows elements on logits'
+// device: temperature, top_p, min_p float32; top_k, seeds, offsets int64.
+inline SampleArgs check_sample(const at::Tensor& out_ids, const at::Tensor& logits, const at::Tensor& temperature,
+                               const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                               const c10::optional<at::Tensor>& min_p, const at::Tensor& seeds,
+                               const at::Tensor& offsets) {
+  const DType dtype = kernel_dtype(logits, "logits");
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) > 0,
+                    "logits must be [num_rows, vocab_size] with vocab_size > 0, got shape ", logits.sizes());
+  const Rows rows = as_rows(logits, "logits");
+  auto per_row = [&](const at::Tensor& t, const char* name, at::ScalarType type, const char* type_name) {
+    check_same_device(t, name, logits, "logits");
+    check_index_vector(t, name, type, type_name, rows.count, "num_rows");
+    return t.data_ptr();
+  };
+  auto optional_per_row = [&](const c10::optional<at::Tensor>& t, const char* name, at::ScalarType type,
+                              const char* type_name) -> const void* {
+    return t.has_value() ? per_row(*t, name, type, type_name) : nullptr;
+  };
+  return SampleArgs{rows,
+                    static_cast<int64_t*>(per_row(out_ids, "out_ids", at::kLong, "int64")),
+                    static_cast<const float*>(per_row(temperature, "temperature", at::kFloat, "float32")),
+                    static_cast<const int64_t*>(optional_per_row(top_k, "top_k", at::kLong, "int64")),
+                    static_cast<const float*>(optional_per_row(top_p, "top_p", at::kFloat, "float32")),
+                    static_cast<const float*>(optional_per_row(min_p, "min_p", at::kFloat, "float32")),
+                    static_cast<const int64_t*>(per_row(seeds, "seeds", at::kLong, "int64")),
+                    static_cast<const int64_t*>(per_row(offsets, "offsets", at::kLong, "int64")),
+                    dtype};
 }
 
 }  // namespace pagoda

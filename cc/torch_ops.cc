@@ -81,25 +81,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   PagedAttentionArgs a =
       check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
   check_paged_attention_metadata(a);
-  cpu::PagedAttentionParams p;
-  p.out = a.out.data;
-  p.out_stride = a.out.stride;
-  p.query = a.query.data;
-  p.query_stride = a.query.stride;
-  p.key_cache = a.key_cache;
-  p.value_cache = a.value_cache;
-  p.block_tables = a.block_tables;
-  p.block_tables_stride = a.block_tables_stride;
-  p.seq_lens = a.seq_lens;
-  p.query_start_loc = a.query_start_loc;
-  p.num_seqs = a.num_seqs;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.head_size = a.head_size;
-  p.block_size = a.block_size;
-  p.scale = static_cast<float>(scale);
-  p.dtype = a.dtype;
-  cpu_kernels().paged_attention(p);
+  cpu_kernels().paged_attention(paged_attention_params(a, scale));
 }
 
 void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -108,6 +90,15 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
   LinearArgs a = check_linear(out, input, weight, bias);
   cpu_kernels().linear(a.out.data, a.out.stride, a.input.data, a.input.stride, a.weight, a.bias, a.M, a.N, a.K,
                        a.dtype);
+}
+
+// Sampling runs on the GPU only (cuda/sampling.cu); on the CPU, Sampler uses
+// torch ops. Registered so that a CPU call says so instead of listing backends.
+void sample_cpu(at::Tensor&, const at::Tensor& logits, const at::Tensor&, const c10::optional<at::Tensor>&,
+                const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                const at::Tensor&) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "pagoda::sample has no CPU kernel: logits is on ", logits.device(),
+                              "; pass CUDA tensors (on the CPU, Sampler samples with torch ops)");
 }
 
 }  // namespace
@@ -127,6 +118,9 @@ TORCH_LIBRARY(pagoda, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  m.def(
+      "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
+      "Tensor seeds, Tensor offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
@@ -137,4 +131,5 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cpu);
   m.impl("paged_attention", &pagoda::paged_attention_cpu);
   m.impl("linear", &pagoda::linear_cpu);
+  m.impl("sample", &pagoda::sample_cpu);
 }

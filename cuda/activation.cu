@@ -48,10 +48,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool is_aligned(const void* p, int64_t a) {
-  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0;
-}
-
 template <typename T, int V>
 void launch(T* out, int64_t out_stride, const T* x, int64_t x_stride,
             int64_t num_tokens, int64_t d, cudaStream_t stream) {

@@ -73,16 +73,45 @@ __device__ __forceinline__ Vec<T, V> scale(const Vec<T, V>& a,
   return o;
 }
 
+// residual = round(x + residual), elementwise.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> add_round(const Vec<T, V>& a,
+                                               const Vec<T, V>& b) {
+  Vec<T, V> o{};
+#pragma unroll
+  for (int j = 0; j < V; ++j) o.set(j, a.get(j) + b.get(j));
+  return o;
+}
+
+// The row value that gets normalized: x itself, or (kFused) round(x +
+// residual), which is also stored back to residual.
+template <typename T, int V, bool kFused>
+__device__ __forceinline__ Vec<T, V> load_input(const T* xr, T* rr, int i) {
+  const Vec<T, V> a = load_vec<T, V>(xr + i * V);
+  if constexpr (!kFused) {
+    return a;
+  } else {
+    const Vec<T, V> r = add_round(a, load_vec<T, V>(rr + i * V));
+    store_vec(rr + i * V, r);
+    return r;
+  }
+}
+
+// One kernel for both ops: rms_norm (out = norm(x)) and, with kFused,
+// fused_add_rms_norm (residual = x + residual; out = norm(residual), where the
+// caller passes out = x).
 // K > 0: the host guarantees n_vec <= K * blockDim.x; vector k of a thread is
 // threadIdx.x + k * blockDim.x and is kept in registers. K == 0: any n_vec.
 // out may equal x (each element is read before it is written, by one thread).
-template <typename T, int V, int K>
+template <typename T, int V, int K, bool kFused>
 __global__ void __launch_bounds__(max_threads_for(K))
     rms_norm_kernel(T* out, int64_t out_stride, const T* x, int64_t x_stride,
+                    T* residual, int64_t residual_stride,
                     const T* __restrict__ weight, int64_t num_tokens,
                     int n_vec, float hidden_f, float eps) {
   for (int64_t row = blockIdx.x; row < num_tokens; row += gridDim.x) {
     const T* xr = x + row * x_stride;
+    T* rr = kFused ? residual + row * residual_stride : nullptr;
     T* outr = out + row * out_stride;
     float ss = 0.0f;
     if constexpr (K > 0) {
@@ -91,7 +120,7 @@ __global__ void __launch_bounds__(max_threads_for(K))
       for (int k = 0; k < K; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n_vec) {
-          cache[k] = load_vec<T, V>(xr + i * V);
+          cache[k] = load_input<T, V, kFused>(xr, rr, i);
           ss += sum_squares(cache[k]);
         }
       }
@@ -106,70 +135,15 @@ __global__ void __launch_bounds__(max_threads_for(K))
       }
     } else {
       for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
-        ss += sum_squares(load_vec<T, V>(xr + i * V));
+        ss += sum_squares(load_input<T, V, kFused>(xr, rr, i));
       }
       const float inv = 1.0f / sqrtf(block_reduce_sum(ss) / hidden_f + eps);
+      // The normalized row is re-read: x, or the residual elements this very
+      // thread wrote above.
+      const T* normed = kFused ? rr : xr;
       for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
-        store_vec(outr + i * V, scale(load_vec<T, V>(xr + i * V),
+        store_vec(outr + i * V, scale(load_vec<T, V>(normed + i * V),
                                       load_vec<T, V>(weight + i * V), inv));
-      }
-    }
-  }
-}
-
-// residual = round(x + residual); x = round(w * round(residual * inv)).
-template <typename T, int V>
-__device__ __forceinline__ Vec<T, V> add_round(const Vec<T, V>& a,
-                                               const Vec<T, V>& b) {
-  Vec<T, V> o{};
-#pragma unroll
-  for (int j = 0; j < V; ++j) o.set(j, a.get(j) + b.get(j));
-  return o;
-}
-
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(max_threads_for(K))
-    fused_add_rms_norm_kernel(T* x, int64_t x_stride, T* residual,
-                              int64_t residual_stride,
-                              const T* __restrict__ weight, int64_t num_tokens,
-                              int n_vec, float hidden_f, float eps) {
-  for (int64_t row = blockIdx.x; row < num_tokens; row += gridDim.x) {
-    T* xr = x + row * x_stride;
-    T* rr = residual + row * residual_stride;
-    float ss = 0.0f;
-    if constexpr (K > 0) {
-      Vec<T, V> cache[K];
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < n_vec) {
-          cache[k] = add_round(load_vec<T, V>(xr + i * V),
-                               load_vec<T, V>(rr + i * V));
-          store_vec(rr + i * V, cache[k]);
-          ss += sum_squares(cache[k]);
-        }
-      }
-      const float inv = 1.0f / sqrtf(block_reduce_sum(ss) / hidden_f + eps);
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < n_vec) {
-          store_vec(xr + i * V,
-                    scale(cache[k], load_vec<T, V>(weight + i * V), inv));
-        }
-      }
-    } else {
-      for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
-        const Vec<T, V> r = add_round(load_vec<T, V>(xr + i * V),
-                                      load_vec<T, V>(rr + i * V));
-        store_vec(rr + i * V, r);
-        ss += sum_squares(r);
-      }
-      const float inv = 1.0f / sqrtf(block_reduce_sum(ss) / hidden_f + eps);
-      // Each thread re-reads exactly the residual elements it wrote above.
-      for (int i = threadIdx.x; i < n_vec; i += blockDim.x) {
-        store_vec(xr + i * V, scale(load_vec<T, V>(rr + i * V),
-                                    load_vec<T, V>(weight + i * V), inv));
       }
     }
   }
@@ -204,46 +178,22 @@ int grid_for(int64_t rows) {
   return static_cast<int>(rows < kMaxBlocks ? rows : kMaxBlocks);
 }
 
-template <typename T, int V>
+template <typename T, int V, bool kFused>
 void launch_rms_norm(T* out, int64_t out_stride, const T* x, int64_t x_stride,
-                     const T* weight, int64_t num_tokens, int64_t hidden,
-                     float eps, cudaStream_t stream) {
+                     T* residual, int64_t residual_stride, const T* weight,
+                     int64_t num_tokens, int64_t hidden, float eps,
+                     cudaStream_t stream) {
   const int64_t n_vec = hidden / V;
   const Shape s = pick_shape(n_vec);
   const float hidden_f = static_cast<float>(hidden);
   const int grid = grid_for(num_tokens);
   const int n = static_cast<int>(n_vec);
   switch (s.k) {
-#define PAGODA_CASE(K)                                                       \
-  case K:                                                                    \
-    rms_norm_kernel<T, V, K><<<grid, s.threads, 0, stream>>>(                \
-        out, out_stride, x, x_stride, weight, num_tokens, n, hidden_f, eps); \
-    break;
-    PAGODA_CASE(1)
-    PAGODA_CASE(2)
-    PAGODA_CASE(4)
-    default:
-    PAGODA_CASE(0)
-#undef PAGODA_CASE
-  }
-}
-
-template <typename T, int V>
-void launch_fused_add_rms_norm(T* x, int64_t x_stride, T* residual,
-                               int64_t residual_stride, const T* weight,
-                               int64_t num_tokens, int64_t hidden, float eps,
-                               cudaStream_t stream) {
-  const int64_t n_vec = hidden / V;
-  const Shape s = pick_shape(n_vec);
-  const float hidden_f = static_cast<float>(hidden);
-  const int grid = grid_for(num_tokens);
-  const int n = static_cast<int>(n_vec);
-  switch (s.k) {
-#define PAGODA_CASE(K)                                                     \
-  case K:                                                                  \
-    fused_add_rms_norm_kernel<T, V, K><<<grid, s.threads, 0, stream>>>(    \
-        x, x_stride, residual, residual_stride, weight, num_tokens, n,     \
-        hidden_f, eps);                                                  \
+#define PAGODA_CASE(K)                                                    \
+  case K:                                                                 \
+    rms_norm_kernel<T, V, K, kFused><<<grid, s.threads, 0, stream>>>(     \
+        out, out_stride, x, x_stride, residual, residual_stride, weight,  \
+        num_tokens, n, hidden_f, eps);                                    \
     break;
     PAGODA_CASE(1)
     PAGODA_CASE(2)
@@ -272,43 +222,60 @@ bool can_vectorize(int64_t num_tokens, int64_t hidden,
   return true;
 }
 
-template <typename T>
+// residual == nullptr: rms_norm; otherwise fused_add_rms_norm (out == x).
+template <typename T, bool kFused>
 cudaError_t rms_norm_typed(void* out, int64_t out_stride, const void* x,
-                           int64_t x_stride, const void* weight,
+                           int64_t x_stride, void* residual,
+                           int64_t residual_stride, const void* weight,
                            int64_t num_tokens, int64_t hidden, float eps,
                            cudaStream_t stream) {
   T* o = static_cast<T*>(out);
   const T* xi = static_cast<const T*>(x);
+  T* r = static_cast<T*>(residual);
   const T* w = static_cast<const T*>(weight);
-  if (can_vectorize<T>(num_tokens, hidden, {out, x, weight},
-                       {out_stride, x_stride})) {
-    launch_rms_norm<T, 16 / sizeof(T)>(o, out_stride, xi, x_stride, w,
-                                       num_tokens, hidden, eps, stream);
+  const bool vectorize =
+      kFused ? can_vectorize<T>(num_tokens, hidden, {x, residual, weight},
+                                {x_stride, residual_stride})
+             : can_vectorize<T>(num_tokens, hidden, {out, x, weight},
+                                {out_stride, x_stride});
+  if (vectorize) {
+    launch_rms_norm<T, 16 / sizeof(T), kFused>(o, out_stride, xi, x_stride, r,
+                                               residual_stride, w, num_tokens,
+                                               hidden, eps, stream);
   } else {
-    launch_rms_norm<T, 1>(o, out_stride, xi, x_stride, w, num_tokens, hidden,
-                          eps, stream);
+    launch_rms_norm<T, 1, kFused>(o, out_stride, xi, x_stride, r,
+                                  residual_stride, w, num_tokens, hidden, eps,
+                                  stream);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t fused_add_rms_norm_typed(void* x, int64_t x_stride,
-                                     void* residual, int64_t residual_stride,
-                                     const void* weight, int64_t num_tokens,
-                                     int64_t hidden, float eps,
-                                     cudaStream_t stream) {
-  T* xi = static_cast<T*>(x);
-  T* r = static_cast<T*>(residual);
-  const T* w = static_cast<const T*>(weight);
-  if (can_vectorize<T>(num_tokens, hidden, {x, residual, weight},
-                       {x_stride, residual_stride})) {
-    launch_fused_add_rms_norm<T, 16 / sizeof(T)>(
-        xi, x_stride, r, residual_stride, w, num_tokens, hidden, eps, stream);
-  } else {
-    launch_fused_add_rms_norm<T, 1>(xi, x_stride, r, residual_stride, w,
-                                    num_tokens, hidden, eps, stream);
+template <bool kFused>
+cudaError_t rms_norm_dispatch(void* out, int64_t out_stride, const void* x,
+                              int64_t x_stride, void* residual,
+                              int64_t residual_stride, const void* weight,
+                              int64_t num_tokens, int64_t hidden, float eps,
+                              DType dtype, cudaStream_t stream) {
+  if (num_tokens < 0 || hidden < 0 || hidden > INT_MAX) {
+    return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::kFloat32:
+      return rms_norm_typed<float, kFused>(out, out_stride, x, x_stride,
+                                           residual, residual_stride, weight,
+                                           num_tokens, hidden, eps, stream);
+    case DType::kBFloat16:
+      return rms_norm_typed<uint16_t, kFused>(out, out_stride, x, x_stride,
+                                              residual, residual_stride,
+                                              weight, num_tokens, hidden, eps,
+                                              stream);
+    case DType::kFloat16:
+      return rms_norm_typed<__half, kFused>(out, out_stride, x, x_stride,
+                                            residual, residual_stride, weight,
+                                            num_tokens, hidden, eps, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -317,47 +284,18 @@ cudaError_t rms_norm(void* out, int64_t out_stride, const void* x,
                      int64_t x_stride, const void* weight, int64_t num_tokens,
                      int64_t hidden, float eps, DType dtype,
                      cudaStream_t stream) {
-  if (num_tokens < 0 || hidden < 0 || hidden > INT_MAX) {
-    return cudaErrorInvalidValue;
-  }
-  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return rms_norm_typed<float>(out, out_stride, x, x_stride, weight,
-                                   num_tokens, hidden, eps, stream);
-    case DType::kBFloat16:
-      return rms_norm_typed<uint16_t>(out, out_stride, x, x_stride, weight,
-                                      num_tokens, hidden, eps, stream);
-    case DType::kFloat16:
-      return rms_norm_typed<__half>(out, out_stride, x, x_stride, weight,
-                                    num_tokens, hidden, eps, stream);
-  }
-  return cudaErrorInvalidValue;
+  return rms_norm_dispatch<false>(out, out_stride, x, x_stride, nullptr, 0,
+                                  weight, num_tokens, hidden, eps, dtype,
+                                  stream);
 }
 
 cudaError_t fused_add_rms_norm(void* x, int64_t x_stride, void* residual,
                                int64_t residual_stride, const void* weight,
                                int64_t num_tokens, int64_t hidden, float eps,
                                DType dtype, cudaStream_t stream) {
-  if (num_tokens < 0 || hidden < 0 || hidden > INT_MAX) {
-    return cudaErrorInvalidValue;
-  }
-  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kFloat32:
-      return fused_add_rms_norm_typed<float>(x, x_stride, residual,
-                                             residual_stride, weight,
-                                             num_tokens, hidden, eps, stream);
-    case DType::kBFloat16:
-      return fused_add_rms_norm_typed<uint16_t>(
-          x, x_stride, residual, residual_stride, weight, num_tokens, hidden,
-          eps, stream);
-    case DType::kFloat16:
-      return fused_add_rms_norm_typed<__half>(x, x_stride, residual,
-                                              residual_stride, weight,
-                                              num_tokens, hidden, eps, stream);
-  }
-  return cudaErrorInvalidValue;
+  return rms_norm_dispatch<true>(x, x_stride, x, x_stride, residual,
+                                 residual_stride, weight, num_tokens, hidden,
+                                 eps, dtype, stream);
 }
 
 }  // namespace gpu

@@ -185,6 +185,11 @@ constexpr int vec_align() {
   return static_cast<int>(alignof(Vec<T, N>));
 }
 
+// Whether p is aligned to `bytes` (host code choosing a vector width).
+inline bool is_aligned(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
+}
+
 #if PAGODA_DEVICE_COMPILER
 namespace detail {
 

@@ -105,10 +105,6 @@ __global__ void __launch_bounds__(kMaxItemThreads)
   }
 }
 
-bool is_aligned(const void* p, int64_t a) {
-  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0;
-}
-
 struct Args {
   const int64_t* positions;
   void* query;

@@ -52,8 +52,11 @@ PYBIND_MODULE_SRCS = ["cc/module.cc"]
 # CUDA, hipcc (through cuda/portability.h) for ROCm.
 GPU_KERNEL_SRCS = [
     "cuda/activation.cu",
+    "cuda/attention.cu",
+    "cuda/cache.cu",
     "cuda/norm.cu",
     "cuda/rotary.cu",
+    "cuda/sampling.cu",
 ]
 
 GPU_KERNEL_HDRS = [

@@ -22,45 +22,7 @@
 #include <cstdint>
 
 #include "cc/dtype.h"
-
-namespace pagoda {
-namespace cpu {
-
-// Arguments of paged_attention (the "unified" prefill/decode attention):
-// sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]-1 (its
-// q_len new tokens) and has seq_lens[s] tokens in the cache, the new ones
-// included. Its new token j (0-based) is at position seq_len - q_len + j and
-// attends to cache positions 0 .. that position. Position i of sequence s lives
-// in block block_tables[s * block_tables_stride + i / block_size], row
-// i % block_size. query head h reads kv head h / (num_heads / num_kv_heads).
-// The caller has checked everything: q_len <= seq_len, the block tables cover
-// every position and name existing blocks, query_start_loc[num_seqs] is the
-// number of query rows.
-struct PagedAttentionParams {
-  // [num_tokens, num_heads, head_size]: rows of num_heads * head_size
-  // contiguous elements, out_stride / query_stride elements apart.
-  void* out;
-  int64_t out_stride;
-  const void* query;
-  int64_t query_stride;
-  // [num_blocks, block_size, num_kv_heads, head_size], contiguous.
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;  // [num_seqs, >= blocks used], rows strided
-  int64_t block_tables_stride;
-  const int32_t* seq_lens;         // [num_seqs]
-  const int32_t* query_start_loc;  // [num_seqs + 1]
-  int64_t num_seqs;
-  int64_t num_heads;
-  int64_t num_kv_heads;
-  int64_t head_size;
-  int64_t block_size;
-  float scale;  // softmax(scale * q.k)
-  DType dtype;  // of out, query and both caches
-};
-
-}  // namespace cpu
-}  // namespace pagoda
+#include "cc/paged_attention_params.h"
 
 #define PAGODA_CPU_KERNEL_DECLS                                                  \
   /* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * weight */                       \

@@ -70,4 +70,6 @@ def load():
 
 def has_cuda_ops() -> bool:
     """Whether torch.ops.pagoda.* have CUDA implementations in this process."""
+    import pagoda.ops  # noqa: F401 -- loads the libraries (once) before asking
+
     return torch._C._dispatch_has_kernel_for_dispatch_key("pagoda::rms_norm", "CUDA")

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 
+from pagoda.logger import init_logger
+
+logger = init_logger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -34,6 +38,38 @@ def _find_gguf(path: Path) -> tuple[Path, str | None]:
     raise ValueError(f"model folder {path} has no config.json and no .gguf file")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> CUDA when torch sees a GPU and Pagoda's CUDA kernels are
+    loaded, else the CPU; "cuda" insists (ValueError saying what is missing)."""
+    name = device.type if isinstance(device, torch.device) else device
+    if name not in DEVICES or (isinstance(device, torch.device) and device.index not in (None, 0)):
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r} (pick a GPU with CUDA_VISIBLE_DEVICES)")
+    if name == "cpu":
+        return torch.device("cpu")
+    from pagoda import _native, ops  # noqa: F401  (importing ops loads the kernels)
+
+    if not torch.cuda.is_available():
+        if name == "cuda":
+            raise ValueError(
+                f"device='cuda' but torch {torch.__version__} sees no CUDA GPU "
+                f"({'a CPU-only build' if torch.version.cuda is None else 'built for CUDA ' + torch.version.cuda})"
+            )
+        return torch.device("cpu")
+    if not _native.has_cuda_ops():
+        missing = (
+            "Pagoda's CUDA kernels are not loaded (no _cuda_ops.so beside pagoda/_C.so): build them with "
+            "`python tools/build_ext.py` or `tools/bazel build --config=cuda //python/pagoda:all`"
+        )
+        if name == "cuda":
+            raise ValueError(f"device='cuda' but {missing}")
+        logger.warning("device='auto' runs on the CPU although torch sees a GPU: %s", missing)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -42,6 +78,15 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    # vLLM's: no tokenizer (prompts are token ids, outputs carry ids and no text).
+    skip_tokenizer_init: bool = False
+    # vLLM's: config.json values replaced before the model is built (e.g. a smaller model shape).
+    hf_overrides: dict | None = None
+    # "auto" (CUDA where usable, else CPU), "cpu" or "cuda"; resolved to a torch.device here
+    # because the default dtype depends on it.
+    device: str | torch.device = "auto"
+    # vLLM's: no CUDA graphs (every step runs eagerly).
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -50,6 +95,15 @@ class ModelConfig:
         if self.load_format == "gguf" and self.gguf_file is None:
             raise ValueError(f"load_format='gguf' but {self.model} is not a GGUF model")
         self.hf_config = self._load_hf_config()
+        if self.hf_overrides is not None:
+            if not isinstance(self.hf_overrides, dict):
+                raise ValueError(f"hf_overrides must be a dict of config.json keys, got {self.hf_overrides!r}")
+            self.hf_config.update(self.hf_overrides)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        self.device = resolve_device(self.device)
         self.torch_dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len()
         if self.seed is not None and not isinstance(self.seed, int):
@@ -66,14 +120,19 @@ class ModelConfig:
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
         elif self.dtype == "auto":
-            # The checkpoint's dtype; fp16 becomes bf16 on the CPU (no fast fp16
+            # CPU: the checkpoint's dtype; fp16 becomes bf16 (no fast fp16
             # matmuls there), and GGUF (dequantized) or unspecified -> fp32.
+            # GPU (vLLM's rule): fp16 and bf16 checkpoints keep their dtype,
+            # fp32, GGUF and unspecified run in bf16 (tensor cores; fp32 would
+            # halve the KV cache and the throughput).
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
             if isinstance(dtype, str):
                 dtype = _DTYPES.get(dtype, torch.float32)
             if dtype is None or self.gguf_file:
                 dtype = torch.float32
-            if dtype == torch.float16:
+            if self.device.type == "cpu" and dtype == torch.float16:
+                dtype = torch.bfloat16
+            if self.device.type != "cpu" and dtype == torch.float32:
                 dtype = torch.bfloat16
         elif self.dtype in _DTYPES:
             dtype = _DTYPES[self.dtype]
@@ -111,8 +170,16 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # Automatic prefix caching (vLLM v1's default): full blocks are shared by prompts that start alike.
     enable_prefix_caching: bool = True
+    # GPU: the share of the device's memory this engine may use (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
+        if (
+            not isinstance(self.gpu_memory_utilization, (int, float))
+            or isinstance(self.gpu_memory_utilization, bool)
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 256:

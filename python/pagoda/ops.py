@@ -26,6 +26,7 @@ for _name in (
     "reshape_and_cache",
     "paged_attention",
     "linear",
+    "sample",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
 
@@ -74,7 +75,8 @@ def reshape_and_cache(
     """In place: key_cache/value_cache [num_blocks, block_size, num_kv_heads,
     head_size] get key[t]/value[t] ([num_tokens, num_kv_heads, head_size]) at
     slot slot_mapping[t] = block * block_size + offset (int64); a negative slot
-    skips the token (padding)."""
+    skips the token (padding). On the CPU a slot past the cache's end is a
+    ValueError; on CUDA (no host sync) such a token is skipped."""
     torch.ops.pagoda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -98,7 +100,12 @@ def paged_attention(
     the new ones; block_tables (int32 [num_seqs, max_blocks]) lists its cache
     blocks. New token j of a sequence with q_len new tokens sits at position
     seq_len - q_len + j and sees positions 0 .. that one. GQA: query head h
-    reads kv head h // (num_heads // num_kv_heads)."""
+    reads kv head h // (num_heads // num_kv_heads).
+
+    The CPU checks the metadata values; CUDA does not (that would sync with
+    the device): it plans its launch from shapes alone, so it can be captured
+    in a CUDA graph and replayed with other metadata contents, and bad values
+    give wrong results rather than out-of-bounds accesses."""
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     torch.ops.pagoda.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
@@ -115,6 +122,30 @@ def linear(
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.pagoda.linear(out, x, weight, bias)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token id (int64) per row of logits [num_rows, vocab_size], chosen
+    as Sampler._sample chooses it: argmax where temperature is 0, otherwise
+    temperature -> min_p -> top_k -> top_p -> exponential race, whose noise is
+    keyed by (seeds[row], offsets[row], token id) only, so a row gets the same
+    token in any batch. Per-row tensors on logits' device: temperature, top_p,
+    min_p float32; top_k, seeds, offsets int64; None turns a filter off for
+    every row. CUDA only (cuda/sampling.cu); sample_reference is the same in
+    torch."""
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.pagoda.sample(out, logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return out
 
 
@@ -239,3 +270,71 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias in fp64, rounded once to x's dtype."""
     b = None if bias is None else bias.double()
     return torch.nn.functional.linear(x.double(), weight.double(), b).to(x.dtype)
+
+
+_WORD = 0xFFFFFFFF
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of a * b for a 32-bit constant a and 32-bit
+    values b, in int64 arithmetic that cannot overflow (b split in halves)."""
+    high, low = a * (b >> 16), a * (b & 0xFFFF)  # each < 2^48
+    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _WORD
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 (Salmon et al., SC 2011): counters [..., 4] under keys
+    [..., 2] (32-bit words held in int64 tensors) -> [..., 4] random words."""
+    c0, c1, c2, c3 = counter.unbind(-1)
+    k0, k1 = key.unbind(-1)
+    for _ in range(10):
+        hi0, lo0 = _mul_hi_lo(0xD2511F53, c0)
+        hi1, lo1 = _mul_hi_lo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _WORD, (k1 + 0xBB67AE85) & _WORD
+    return torch.stack([c0, c1, c2, c3], dim=-1)
+
+
+def sample_gumbel(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The race noise of pagoda::sample, [num_rows, vocab_size] float32: token
+    i of row r gets -log(E), E = -log1p(-u), u = (w + 0.5) / 2^32, where w is
+    word i % 4 of Philox4x32-10 under key seeds[r] (low word first) at counter
+    (i // 4, 0, offsets[r] low word, offsets[r] high word)."""
+    n = seeds.shape[0]
+    groups = torch.arange((vocab_size + 3) // 4, device=seeds.device).expand(n, -1)
+    counter = torch.stack(
+        [groups, torch.zeros_like(groups), (offsets[:, None] & _WORD).expand_as(groups),
+         ((offsets[:, None] >> 32) & _WORD).expand_as(groups)],
+        dim=-1,
+    )  # fmt: skip
+    key = torch.stack([seeds & _WORD, (seeds >> 32) & _WORD], dim=-1)[:, None, :]
+    words = philox4x32_10(counter, key).flatten(1)[:, :vocab_size]
+    u = (words.float() + 0.5) * 2.0**-32
+    return -torch.log(-torch.log1p(-u))
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """pagoda::sample in torch: Sampler's own filters (a sort), then
+    argmax(l + sample_gumbel(...)) over the kept tokens; argmax of the logits
+    where temperature is 0. The kernel picks the same tokens unless rounding
+    moves a token across a filter's boundary or breaks a near-tie of scores."""
+    # Imported here, not at the top: the sampler imports ops.
+    from pagoda.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
+
+    x = logits.float()
+    greedy = temperature == 0
+    scaled = x / torch.where(greedy, 1.0, temperature)[:, None]
+    if min_p is not None:
+        apply_min_p(scaled, min_p)
+    if top_k is not None or top_p is not None:
+        apply_top_k_top_p(scaled, top_k, top_p)
+    sampled = (scaled + sample_gumbel(seeds, offsets, x.shape[1])).argmax(dim=-1)
+    return torch.where(greedy, x.argmax(dim=-1), sampled)

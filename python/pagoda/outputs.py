@@ -60,6 +60,18 @@ class RequestMetrics:
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    def timings(self) -> dict[str, float]:
+        """Seconds in each phase of a finished request: queue_s (arrival to
+        first scheduled), prefill_s (to the first token), decode_s (first to
+        last token), total_s (arrival to finish). A phase never reached (an
+        abort while waiting) counts 0."""
+        end = self.finished_time if self.finished_time is not None else self.last_token_time or self.arrival_time
+        scheduled = self.first_scheduled_time if self.first_scheduled_time is not None else end
+        first = self.first_token_time if self.first_token_time is not None else end
+        last = self.last_token_time if self.last_token_time is not None else first
+        return dict(queue_s=scheduled - self.arrival_time, prefill_s=max(first - scheduled, 0.0),
+                    decode_s=max(last - first, 0.0), total_s=end - self.arrival_time)
+
 
 @dataclass
 class RequestOutput:

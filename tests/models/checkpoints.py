@@ -63,7 +63,7 @@ def save_checkpoint(model: transformers.PreTrainedModel, folder: str, **kwargs) 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy continuation of exactly max_tokens tokens (EOS ignored)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -9,7 +9,7 @@ import torch
 
 from op_testing import skip_without_kernel
 
-from pagoda import ops
+from pagoda import _native, ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Outputs are weighted means of values ~ N(0, 1): some are near zero, so an
@@ -19,8 +19,8 @@ TOLERANCES = {
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float16: dict(rtol=2.5e-3, atol=1e-3),
 }
-# GQA ratios 1 (MHA), 3, 4 and 8.
-HEADS = [(8, 8), (9, 3), (8, 2), (8, 1)]
+# GQA ratios 1 (MHA), 2, 3, 4 and 8.
+HEADS = [(8, 8), (8, 4), (9, 3), (8, 2), (8, 1)]
 # Block table entries past a sequence's last block: never read (a kernel that
 # did would fault).
 UNUSED_BLOCK = 1 << 30
@@ -42,15 +42,19 @@ def make_batch(
     device="cpu",
     fused_qkv=False,
     spare_blocks=3,
+    table_columns=None,
 ):
     """A random cache whose blocks are scattered over the sequences, and the
-    queries of each sequence's q_len newest tokens."""
+    queries of each sequence's q_len newest tokens. block_tables has one
+    column more than the longest sequence needs, or table_columns (padded as
+    the model runner pads them for CUDA graphs: max_model_len / block_size)."""
     blocks_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
     num_blocks = sum(blocks_needed) + spare_blocks
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
     value_cache = torch.randn_like(key_cache)
     block_ids = torch.randperm(num_blocks).int()
-    block_tables = torch.full((len(seq_lens), max(blocks_needed, default=0) + 1), UNUSED_BLOCK, dtype=torch.int32)
+    columns = max(blocks_needed, default=0) + 1 if table_columns is None else table_columns
+    block_tables = torch.full((len(seq_lens), columns), UNUSED_BLOCK, dtype=torch.int32)
     first = 0
     for s, n in enumerate(blocks_needed):
         block_tables[s, :n] = block_ids[first : first + n]
@@ -73,6 +77,8 @@ def make_batch(
 
 
 def check(batch, out=None):
+    if out is None:  # poisoned: every element must be written
+        out = torch.full(batch["query"].shape, float("nan"), dtype=batch["query"].dtype, device=batch["query"].device)
     got = ops.paged_attention(**batch, out=out)
     want = ops.paged_attention_reference(**batch, compute_dtype=torch.float64)
     torch.testing.assert_close(got, want, **TOLERANCES[batch["query"].dtype])
@@ -81,7 +87,7 @@ def check(batch, out=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode(device, dtype, heads, head_size, block_size):
     seq_lens = [1, 15, 16, 17, 32, 33, 100, 1000]
@@ -129,6 +135,52 @@ def test_long_sequences(device, dtype, block_size):
 
 def test_one_token(device):
     check(make_batch([1], [1], 4, 1, 64, 16, torch.float32, device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_long_contexts(device, dtype, head_size):
+    """Contexts of thousands of tokens: the GPU splits each into partitions
+    (split-K) and merges them; beside short sequences that fit one."""
+    check(make_batch([5000, 6100, 300, 1], [1, 4, 1, 1], 8, 2, head_size, 16, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_partition_boundaries(device, dtype, block_size):
+    """Contexts ending just before, on and after multiples of the GPU's key
+    partitions (256 keys here) and of its 16-key steps."""
+    seq_lens = [15, 16, 17, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025]
+    check(make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 128, block_size, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [256, 2048])
+def test_padded_block_tables(device, dtype, columns):
+    """Block tables padded far past the longest sequence (max_model_len /
+    block_size columns, as for CUDA graphs): the extra columns are never
+    read, and the GPU's partitions past a sequence's end do nothing."""
+    seq_lens = [1, 100, 1000, 2100, 37]
+    check(make_batch(seq_lens, [1, 1, 1, 3, 37], 16, 4, 128, 16, dtype, device, table_columns=columns))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(32, 2), (36, 2), (12, 1)])
+def test_large_gqa_groups(device, dtype, heads):
+    """GQA groups of more than 8 query heads (16, 18, 12): the GPU serves
+    them in slices of at most 8 heads."""
+    check(make_batch([700, 33, 1], [1, 33, 1], *heads, 128, 16, dtype, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_mixed_batch(device, dtype):
+    """A step as the scheduler forms it: 24 decodes of assorted lengths, a
+    chunked prefill and a fresh prompt."""
+    generator = torch.Generator().manual_seed(1)
+    decodes = torch.randint(1, 2000, (24,), generator=generator).tolist()
+    seq_lens = decodes[:12] + [900] + decodes[12:] + [130]
+    q_lens = [1] * 12 + [256] + [1] * 12 + [130]
+    check(make_batch(seq_lens, q_lens, 16, 4, 128, 16, dtype, device, table_columns=200))
 
 
 @pytest.mark.parametrize("seq_lens,q_lens", [([], []), ([5, 16], [0, 0])])
@@ -275,6 +327,63 @@ def test_engine_steps_match_causal_attention(device):
     step([13, 1])  # the rest of it, and the second sequence's first decode
     for _ in range(3):
         step([1, 1])
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and _native.has_cuda_ops()), reason="needs a GPU and Pagoda's CUDA ops"
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_replays_with_new_metadata(dtype):
+    """The CUDA op never syncs with the host (capture would fail) and plans its
+    launch from shapes alone: one captured graph, replayed with other seq_lens,
+    block_tables, query_start_loc and query contents, matches the reference
+    each time."""
+    device, num_seqs, num_tokens, columns, block_size = "cuda", 8, 16, 128, 16  # contexts up to 2048
+    num_heads, num_kv_heads, head_size = 16, 4, 128
+    num_blocks = num_seqs * columns
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    static = dict(
+        query=torch.empty(num_tokens, num_heads, head_size, dtype=dtype, device=device),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=torch.empty(num_seqs, columns, dtype=torch.int32, device=device),
+        seq_lens=torch.empty(num_seqs, dtype=torch.int32, device=device),
+        query_start_loc=torch.empty(num_seqs + 1, dtype=torch.int32, device=device),
+        scale=1 / math.sqrt(head_size),
+    )
+    out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype, device=device)
+
+    def fill(seed, q_lens):
+        generator = torch.Generator().manual_seed(seed)
+        seq_lens = [q + int(torch.randint(0, columns * block_size - q, (1,), generator=generator)) for q in q_lens]
+        ids = torch.randperm(num_blocks, generator=generator).int()
+        tables = torch.full((num_seqs, columns), UNUSED_BLOCK, dtype=torch.int32)
+        for s, n in enumerate(seq_lens):
+            used = -(-n // block_size)
+            tables[s, :used] = ids[s * columns : s * columns + used]
+        static["block_tables"].copy_(tables)
+        static["seq_lens"].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        static["query_start_loc"].copy_(torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32))
+        static["query"].copy_(torch.randn(num_tokens, num_heads, head_size, generator=generator))
+
+    fill(0, [2] * num_seqs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph, as torch advises
+        ops.paged_attention(**static, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.paged_attention(**static, out=out)
+    # Decode-only steps, prefill-heavy ones, and sequences without new tokens.
+    steps = [[2] * 8, [1, 1, 1, 1, 1, 1, 1, 9], [0, 16, 0, 0, 0, 0, 0, 0], [3, 1, 2, 4, 1, 1, 2, 2]]
+    for seed, q_lens in enumerate(steps, start=1):
+        fill(seed, q_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = ops.paged_attention_reference(**static, compute_dtype=torch.float64)
+        torch.testing.assert_close(out, want, **TOLERANCES[dtype])
 
 
 # --- errors (CPU: the metadata values are checked on the host) --------------

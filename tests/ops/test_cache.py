@@ -37,7 +37,8 @@ def check(key, value, key_cache, value_cache, slot_mapping):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 100])
-@pytest.mark.parametrize("num_kv_heads,head_size", [(1, 64), (3, 64), (8, 128), (2, 80), (4, 256)])
+# (3, 36): a row of 216 bytes in 16-bit types, not a whole number of 16-byte vectors.
+@pytest.mark.parametrize("num_kv_heads,head_size", [(1, 64), (3, 64), (8, 128), (2, 80), (4, 256), (3, 36)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache(device, dtype, num_tokens, num_kv_heads, head_size, block_size):
     num_blocks = num_tokens // block_size + 3
@@ -76,6 +77,22 @@ def test_reshape_and_cache_all_padding(device):
     key_cache, value_cache = make_caches(2, 16, 1, 64, torch.float32, device)
     key = torch.randn(3, 1, 64, device=device)
     check(key, key.clone(), key_cache, value_cache, torch.full((3,), -1, device=device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_reshape_and_cache_cuda_skips_slots_past_the_end():
+    """The CUDA op cannot check slots on the host without a sync: a slot past
+    the cache's end is skipped like a padding slot, never written out of
+    bounds."""
+    device = skip_without_kernel("reshape_and_cache", "cuda")
+    key_cache, value_cache = make_caches(2, 16, 2, 64, torch.bfloat16, device)
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=device)
+    value = torch.randn_like(key)
+    before_key, before_value = key_cache.clone(), value_cache.clone()
+    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([32, 7, 1 << 40], device=device))
+    before_key.flatten(0, 1)[7] = key[1]
+    before_value.flatten(0, 1)[7] = value[1]
+    assert torch.equal(key_cache, before_key) and torch.equal(value_cache, before_value)
 
 
 def test_reshape_and_cache_then_attention_reads_it_back(device):

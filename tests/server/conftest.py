@@ -17,6 +17,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<sep>{{ m['role'] }}\n{{ m['content'] }
 ENGINE_ARGS = dict(dtype="float32", kv_cache_space=0.05, max_num_seqs=4)
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128
+VOCAB_SIZE = 320  # the model's; covers the tokenizer's 300
 
 
 def make_tokenizer():
@@ -42,7 +43,7 @@ def model_folder(tmp_path_factory):
     from checkpoints import LLAMA_LIKE, save_checkpoint
 
     tokenizer = make_tokenizer()
-    config = transformers.LlamaConfig(**dict(LLAMA_LIKE, vocab_size=320, max_position_embeddings=MAX_MODEL_LEN))
+    config = transformers.LlamaConfig(**dict(LLAMA_LIKE, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_MODEL_LEN))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     folder = str(tmp_path_factory.mktemp("tiny-llama"))
@@ -58,9 +59,10 @@ def free_port() -> int:
 
 
 class RunningServer:
-    """build_app + uvicorn.Server.run in a thread; stop() shuts both down."""
+    """build_app + uvicorn.Server.run in a thread; stop() shuts both down.
+    app_kwargs go to build_app."""
 
-    def __init__(self, engine, api_key=None):
+    def __init__(self, engine, api_key=None, **app_kwargs):
         import uvicorn
 
         from pagoda.entrypoints.openai.api_server import build_app
@@ -68,8 +70,8 @@ class RunningServer:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(engine, MODEL, api_key=api_key)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.app = build_app(engine, MODEL, api_key=api_key, **app_kwargs)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -111,3 +113,35 @@ def wait_pool_full(engine, timeout=10.0):
     while kv.num_free_blocks != runner.num_blocks:
         assert time.monotonic() < deadline, f"KV blocks leaked: {kv.num_free_blocks} of {runner.num_blocks} free"
         time.sleep(0.01)
+
+
+def slow_steps(monkeypatch, engine, seconds=0.05):
+    """Every model step of `engine` (an AsyncLLM) takes at least `seconds`:
+    time for a client to leave, or a scrape to see, mid-request."""
+    runner = engine.engine.runner
+    execute = runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow)
+
+
+def post(server, path, body=None, content=None, headers=None):
+    return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=30)
+
+
+def assert_error(r, status, code=None, param=None, says=None):
+    """r is an OpenAI error object with this status (and code, param, text)."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in r.text
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    if says is not None:
+        assert says in error["message"], error["message"]
+    return error

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from conftest import MAX_MODEL_LEN, MODEL, wait_pool_full
+from conftest import MAX_MODEL_LEN, MODEL, slow_steps, wait_pool_full
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
@@ -119,14 +119,7 @@ def test_concurrent_streams(server, client):
 
 
 def test_disconnect_mid_stream_aborts(server, monkeypatch):
-    # Slow steps: unaborted, the 100 tokens would take 5 s.
-    execute = server.engine.engine.runner.execute
-
-    def slow(*args, **kwargs):
-        time.sleep(0.05)
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(server.engine.engine.runner, "execute", slow)
+    slow_steps(monkeypatch, server.engine)  # unaborted, the 100 tokens would take 5 s
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -136,3 +129,59 @@ def test_disconnect_mid_stream_aborts(server, monkeypatch):
     wait_pool_full(server.engine, timeout=10)
     assert time.monotonic() - closed < 2.5, "the request ran on after the client left"
     assert not server.engine.engine.has_unfinished_requests()
+
+
+def test_disconnect_mid_request_aborts(server, monkeypatch):
+    """A non-streaming request whose client leaves is aborted too."""
+    slow_steps(monkeypatch, server.engine)  # unaborted, the 100 tokens would take 5 s
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
+    try:
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        raise AssertionError("the request finished before the client left")
+    except httpx.ReadTimeout:
+        pass  # the client gives up and closes its connection
+    closed = time.monotonic()
+    wait_pool_full(server.engine, timeout=10)
+    assert time.monotonic() - closed < 2.5, "the request ran on after the client left"
+    assert not server.engine.engine.has_unfinished_requests()
+    still = httpx.post(server.url + "/v1/completions", json=dict(body, max_tokens=2), timeout=30)
+    assert still.status_code == 200
+
+
+def check_timings(timings):
+    assert set(timings) == {"queue_s", "prefill_s", "decode_s", "total_s"}
+    assert all(0 <= v < 60 for v in timings.values())
+    assert timings["queue_s"] + timings["prefill_s"] + timings["decode_s"] <= timings["total_s"] + 1e-6
+    assert timings["decode_s"] > 0  # several tokens were decoded
+
+
+def test_timings_on_request(server):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    assert "timings" not in plain
+    timed = httpx.post(server.url + "/v1/completions", json=dict(body, return_timings=True), timeout=30).json()
+    check_timings(timed["timings"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True,
+            "return_timings": True}
+    check_timings(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30).json()["timings"])
+
+
+def stream_events(server, path, body):
+    with httpx.stream("POST", server.url + path, json=dict(body, stream=True), timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_timings_in_last_stream_chunk(server):
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "ignore_eos": True}
+    assert all("timings" not in c for c in stream_events(server, "/v1/completions", body))
+    chunks = stream_events(server, "/v1/completions", dict(body, return_timings=True))
+    assert all("timings" not in c for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and "usage" not in chunks[-1]
+    check_timings(chunks[-1]["timings"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True,
+            "return_timings": True, "stream_options": {"include_usage": True}}
+    last = stream_events(server, "/v1/chat/completions", chat)[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    check_timings(last["timings"])

@@ -3,25 +3,33 @@ the offline `LLM` and the streaming `AsyncLLM` build their engine the same way."
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
 class EngineArgs:
     model: str
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts, token-id outputs (no text)
+    hf_overrides: dict | None = None  # config.json values to replace (e.g. a smaller model shape)
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     seed: int = 0
-    device: str = "auto"
+    device: str = "auto"  # "auto" (CUDA where usable, else CPU), "cpu", "cuda"
     load_format: str = "auto"
     kv_cache_space: float = 4
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # GPU: no CUDA graphs
+    gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
+    tensor_parallel_size: int = 1
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
@@ -30,11 +38,12 @@ class EngineArgs:
     stats_interval: float = 10.0  # seconds between stats lines
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-        if self.device not in ("auto", "cpu"):
-            raise ValueError(f"device={self.device!r}: this build of Pagoda runs on the CPU only (the GPU runner is not built yet)")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet (use 1)")
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
-            seed=self.seed, load_format=self.load_format,
+            seed=self.seed, load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
+            hf_overrides=self.hf_overrides, device=self.device, enforce_eager=self.enforce_eager,
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -42,6 +51,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override, enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -53,7 +63,10 @@ class EngineArgs:
         from pagoda.engine.llm_engine import LLMEngine
         from pagoda.metrics import StatLogger
 
+        started = time.perf_counter()
         engine = LLMEngine(*self.create_engine_configs())
         if not self.disable_log_stats:
             engine.stat_logger = StatLogger(engine, self.stats_interval)
+        # Config, tokenizer and model runner together: the cold start a user waits for.
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
         return engine

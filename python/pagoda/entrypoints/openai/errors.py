@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
 
@@ -20,7 +22,8 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

@@ -1,4 +1,6 @@
-"""Request schemas (pydantic) for the OpenAI endpoints, with vLLM's extras.
+"""Request and response schemas (pydantic) for the OpenAI endpoints, with
+vLLM's extras and its /tokenize and /detokenize; /openapi.json is built from
+them.
 
 Unknown fields are refused (extra="forbid") rather than ignored, and known
 OpenAI features Pagoda lacks (tools, structured output, best_of) are refused
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -51,6 +53,9 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     timeout_seconds: float | None = None  # Pagoda's per-request deadline, from arrival
     priority: int = 0
+    # Pagoda's: the response (or the last stream chunk) carries
+    # timings {queue_s, prefill_s, decode_s, total_s}.
+    return_timings: bool = False
     # Known OpenAI/vLLM fields that Pagoda refuses (checked below).
     best_of: int | None = None
 
@@ -60,6 +65,8 @@ class _SamplingRequest(_Strict):
             raise ValueError("best_of > 1 is not supported by Pagoda yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by Pagoda yet")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -111,6 +118,22 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _refuse_tool_roles(cls, role):
+        if role in ("tool", "function"):
+            raise ValueError(f"messages with role {role!r} are not supported by Pagoda yet (no tool calling)")
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _refuse_non_text_parts(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported by Pagoda yet (text only)")
+        return content
+
     def as_template_input(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):  # text parts only: joined as OpenAI does
@@ -150,3 +173,50 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """The messages through the chat template, as /v1/chat/completions would
+    see them (add_special_tokens=False: templates write their own)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo

@@ -9,29 +9,31 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
-                                                      fit_max_tokens, new_id, now, run_all, sampling_params, sse,
-                                                      usage)
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, closing_chunk,
+                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
+                                                      run_all, sampling_params, sse, stream_error, usage)
 from pagoda.outputs import CompletionOutput
 
 
-def apply_chat_template(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                        add_special_tokens: bool = False) -> list[int]:
+    """The messages' token ids through the chat template (the tokenizer's or
+    --chat-template). Rendered to text, then encoded: templates write their
+    own BOS, so special tokens are only added when asked (/tokenize)."""
     tokenizer = state.engine.get_tokenizer()
-    messages = [m.as_template_input() for m in request.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages, chat_template=state.chat_template, add_generation_prompt=True,
-                                            tokenize=True)
+        text = tokenizer.apply_chat_template([m.as_template_input() for m in messages],
+                                             chat_template=state.chat_template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 -- no template, or the template rejected these messages
         raise APIError(f"could not apply the chat template: {exc}", param="messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return check_token_ids(state, list(ids))
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> Response:
     model = check_model(state, request.model)
-    prompt_ids = apply_chat_template(state, request)
+    prompt_ids = check_token_ids(state, apply_chat_template(state, request.messages))
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_max_tokens(state, len(prompt_ids), request.requested_max_tokens, param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -39,9 +41,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     prompts = [{"prompt_token_ids": prompt_ids}]
     request_id, created = new_id("chatcmpl"), now()
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(_stream(state, request_id, created, model, prompts, params, include_usage,
-                                         request.priority), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, request, request_id, created, model, prompts, params),
+                                 media_type="text/event-stream")
     final = None
     try:
         async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,
@@ -54,20 +55,26 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
                     logprobs=_logprobs(c, tokenizer, logprobs) if logprobs is not None else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse(dict(id=request_id, object="chat.completion", created=created, model=model, choices=choices,
-                             usage=usage(len(prompt_ids), completion_tokens)))
+    body = dict(id=request_id, object="chat.completion", created=created, model=model, choices=choices,
+                usage=usage(len(prompt_ids), completion_tokens))
+    if request.return_timings:
+        body["timings"] = request_timings([final])
+    return JSONResponse(body)
 
 
-async def _stream(state, request_id, created, model, prompts, params, include_usage, priority) -> AsyncIterator[str]:
+async def _stream(state, request, request_id, created, model, prompts, params) -> AsyncIterator[str]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="chat.completion.chunk", created=created, model=model)
     # OpenAI opens every choice with a delta that only carries the role.
     for index in range(params.n):
         yield sse(dict(chunk, choices=[dict(index=index, delta=dict(role="assistant", content=""), logprobs=None,
                                             finish_reason=None)]))
-    finished, completion_tokens = set(), 0
+    finished, completion_tokens, finals = set(), 0, []
     try:
-        async for _, out in run_all(state.engine, prompts, params, request_id, priority, RequestOutputKind.DELTA):
+        async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,
+                                    RequestOutputKind.DELTA):
+            if out.finished:
+                finals.append(out)
             for c in out.outputs:
                 if c.index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
                     continue
@@ -79,10 +86,13 @@ async def _stream(state, request_id, created, model, prompts, params, include_us
                               finish_reason=c.finish_reason)
                 yield sse(dict(chunk, choices=[choice]))
     except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
-        yield sse(engine_error(exc).body())
+        yield stream_error(state, exc)
     else:
-        if include_usage:
-            yield sse(dict(chunk, choices=[], usage=usage(len(prompts[0]["prompt_token_ids"]), completion_tokens)))
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        last = closing_chunk(chunk, usage(len(prompts[0]["prompt_token_ids"]), completion_tokens) if include_usage
+                             else None, request_timings(finals) if request.return_timings else None)
+        if last is not None:
+            yield last
     yield sse("[DONE]")
 
 

@@ -9,9 +9,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
-                                                      fit_max_tokens, new_id, now, run_all, sampling_params, sse,
-                                                      usage)
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, closing_chunk,
+                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
+                                                      run_all, sampling_params, sse, stream_error, usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -30,8 +30,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
             else "" for p in prompts]
     request_id, created = new_id("cmpl"), now()
     if request.stream:
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        stream = _stream(state, request_id, created, model, prompts, params, echo, include_usage, request.priority)
+        stream = _stream(state, request, request_id, created, model, prompts, params, echo)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     finals = {}
@@ -49,16 +48,22 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
                                 logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     prompt_tokens = sum(len(finals[i].prompt_token_ids) for i in range(len(prompts)))
-    return JSONResponse(dict(id=request_id, object="text_completion", created=created, model=model, choices=choices,
-                             usage=usage(prompt_tokens, completion_tokens)))
+    body = dict(id=request_id, object="text_completion", created=created, model=model, choices=choices,
+                usage=usage(prompt_tokens, completion_tokens))
+    if request.return_timings:
+        body["timings"] = request_timings(list(finals.values()))
+    return JSONResponse(body)
 
 
-async def _stream(state, request_id, created, model, prompts, params, echo, include_usage, priority) -> AsyncIterator[str]:
+async def _stream(state, request, request_id, created, model, prompts, params, echo) -> AsyncIterator[str]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="text_completion", created=created, model=model)
-    finished, started, completion_tokens = set(), set(), 0
+    finished, started, completion_tokens, finals = set(), set(), 0, []
     try:
-        async for i, out in run_all(state.engine, prompts, params, request_id, priority, RequestOutputKind.DELTA):
+        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
+                                    RequestOutputKind.DELTA):
+            if out.finished:
+                finals.append(out)
             for c in out.outputs:
                 index = i * params.n + c.index
                 if index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
@@ -72,11 +77,14 @@ async def _stream(state, request_id, created, model, prompts, params, echo, incl
                               logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None)
                 yield sse(dict(chunk, choices=[choice]))
     except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
-        yield sse(engine_error(exc).body())
+        yield stream_error(state, exc)
     else:
-        if include_usage:
-            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-            yield sse(dict(chunk, choices=[], usage=usage(prompt_tokens, completion_tokens)))
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        last = closing_chunk(chunk, usage(prompt_tokens, completion_tokens) if include_usage else None,
+                             request_timings(finals) if request.return_timings else None)
+        if last is not None:
+            yield last
     yield sse("[DONE]")
 
 

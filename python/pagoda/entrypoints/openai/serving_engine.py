@@ -1,6 +1,6 @@
 """What the completion and chat handlers share: the served model, prompt
 checks, SamplingParams from a request, running several engine requests as
-one, and server-sent events."""
+one, cancelling on client disconnect, timings, and server-sent events."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.outputs import RequestOutput
+from pagoda.prometheus import PrometheusStatLogger
 from pagoda.sampling_params import SamplingParams
 
 
@@ -23,7 +27,7 @@ class ServerState:
     served_model_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None
-    log_requests: bool = True
+    metrics: PrometheusStatLogger | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -45,11 +49,16 @@ def now() -> int:
     return int(time.time())
 
 
-def check_token_ids(state: ServerState, token_ids: list[int]) -> list[int]:
+def check_vocab(state: ServerState, token_ids: list[int], param: str) -> list[int]:
     vocab = state.engine.engine.vocab_size
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
-        raise APIError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
+        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+    return token_ids
+
+
+def check_token_ids(state: ServerState, token_ids: list[int]) -> list[int]:
+    check_vocab(state, token_ids, "prompt")
     if not token_ids:
         raise APIError("prompt is empty: it needs at least one token", param="prompt")
     return token_ids
@@ -117,6 +126,58 @@ async def run_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def with_cancellation(request: Request, handler: Awaitable[Response]) -> Response:
+    """Runs a handler until it answers or the client disconnects, whichever
+    comes first. A disconnect cancels it, which aborts its engine requests
+    and frees their KV blocks (streams notice disconnects themselves); the
+    status is then 499, nginx's "client closed request", seen only in logs."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # let the aborts run
+    return Response(status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read already: the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def request_timings(outputs: list[RequestOutput]) -> dict[str, float]:
+    """The timings (return_timings) of an HTTP request: those of its engine
+    request that finished last."""
+    last = max(outputs, key=lambda o: o.metrics.finished_time or 0.0)
+    return last.metrics.timings()
+
+
+def stream_error(state: ServerState, exc: BaseException) -> str:
+    """An error after the stream's headers went out: the error object as an
+    event (and a failed request in /metrics)."""
+    error = engine_error(exc)
+    if state.metrics is not None:
+        state.metrics.record_failure(error.status)
+    return sse(error.body())
+
+
+def closing_chunk(chunk: dict, usage: dict | None, timings: dict | None) -> str | None:
+    """The stream's last chunk before [DONE]: no choices, with the usage
+    and/or timings the request asked for (None when it asked for neither)."""
+    if usage is None and timings is None:
+        return None
+    extra = dict(usage=usage) if usage is not None else {}
+    if timings is not None:
+        extra["timings"] = timings
+    return sse(dict(chunk, choices=[], **extra))
 
 
 def sse(payload: dict | str) -> str:

@@ -1,6 +1,9 @@
 """Paged attention layer: writes the new tokens' K/V into this layer's cache
 and attends over each sequence's cached context, for a whole mixed batch
-(prefill, chunked prefill, prefix hits and decode) in two kernel calls.
+(prefill, chunked prefill, prefix hits and decode) in two kernel calls. On
+CUDA, a batch with several new tokens in some sequence goes to the Triton
+prefill kernel (triton_attention.py); decode batches and the CPU use
+ops.paged_attention.
 
 The model runner owns the caches: it allocates one (key_cache, value_cache)
 pair per layer, each [num_blocks, block_size, num_kv_heads, head_size] in the
@@ -38,15 +41,16 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = ops.paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            self.scale,
-        )
+        args = (q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                self.scale)
+        if q.is_cuda and metadata.max_query_len > 1:
+            # Prefill/extend is matrix-bound: Triton's tensor-core kernel. Imported
+            # here so that CPU-only installs never need triton.
+            from pagoda.model_executor.layers import triton_attention
+
+            out = triton_attention.paged_prefill_attention(*args, max_query_len=metadata.max_query_len)
+        else:
+            out = ops.paged_attention(*args)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
 

@@ -21,8 +21,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor, is_neox_style: bool):
         super().__init__()
         self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
+        # Computed on the CPU whatever the target device: one table, bit for
+        # bit, on every device.
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq.cpu())
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None
@@ -34,7 +37,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -> torch.Tensor:
@@ -65,9 +68,11 @@ def get_rope(
 ) -> RotaryEmbedding:
     """One shared module per distinct setting (as vLLM): every layer of a model
     uses the same table. `dtype` is the model's; the table stays fp32 (see the
-    module docstring)."""
+    module docstring). The table lives on torch's default device (the model
+    is built under `with torch.device(...)`), so that is part of the key."""
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    key = (head_size, rotary_dim, max_position, float(base), is_neox_style, repr(sorted((rope_scaling or {}).items())))
+    key = (head_size, rotary_dim, max_position, float(base), is_neox_style, repr(sorted((rope_scaling or {}).items())),
+           torch.get_default_device())
     if key in _ROPE_CACHE:
         return _ROPE_CACHE[key]
     inv_freq = _default_inv_freq(base, rotary_dim)

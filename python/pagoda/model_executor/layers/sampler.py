@@ -17,6 +17,18 @@ the tokens do not depend on which other requests share the batch or on the
 row's position. Unseeded rows share one draw (the global RNG, or
 `SamplingMetadata.generator`). The engine must only pass rows that really
 sample this step (not partial prefill chunks), or seeded streams drift.
+
+On CUDA, when the compiled op is loaded, temperature -> min_p -> top_k ->
+top_p -> race run in one kernel (ops.sample, cuda/sampling.cu): the same
+filters, found without a vocabulary sort, and counter-based noise instead of
+torch generators. Token i's noise is Philox keyed by (seed, offset, i): the
+seed is the request's (its generator's initial_seed()) or, for unseeded rows,
+a fresh one drawn each step from `SamplingMetadata.generator` (else torch's
+global CPU RNG); the offset is the number of tokens the row has generated. So
+the GPU and the CPU draw different streams for one seed, each reproducible,
+and on the GPU too a seeded request's tokens do not depend on its batch. (Where
+tokens tie with the least likely one top_p keeps, the GPU keeps them all; the
+sort keeps an arbitrary subset.)
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from pagoda import ops
 from pagoda.sampling_params import SamplingParams
 
 
@@ -148,9 +161,11 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        if logits.is_cuda and _has_gpu_sampling():
+            return _sample_on_gpu(logits, md)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         is_greedy = md.temperature == 0.0
         # Greedy rows divide by 1 (their random draw is discarded below).
         logits.div_(torch.where(is_greedy, 1.0, md.temperature).unsqueeze(1))
@@ -161,6 +176,34 @@ class Sampler(nn.Module):
         probs = torch.softmax(logits, dim=-1)
         sampled = exponential_race(probs, md.generators, md.generator)
         return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
+
+
+def _has_gpu_sampling() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("pagoda::sample", "CUDA")
+
+
+def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """ops.sample over all rows; seeds and offsets as the module docstring says."""
+    n = logits.shape[0]
+    gen = md.generator
+    if len(md.generators) < n:  # one draw per step serves every unseeded row
+        seeds = torch.randint(0, 2**63 - 1, (n,), dtype=torch.int64, generator=gen,
+                              device=gen.device if gen is not None else "cpu")
+    else:
+        seeds = torch.zeros(n, dtype=torch.int64)
+    if md.generators:
+        # initial_seed() is a uint64; the kernel takes its bits as an int64.
+        own = [g.initial_seed() for g in md.generators.values()]
+        seeds[list(md.generators)] = torch.tensor([s - 2**64 if s >= 2**63 else s for s in own],
+                                                  dtype=torch.int64, device=seeds.device)
+    offsets = torch.tensor([len(t) for t in md.output_token_ids] if md.output_token_ids else [0] * n,
+                           dtype=torch.int64)
+
+    def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(logits.device, non_blocking=True)
+
+    return ops.sample(logits, on_device(md.temperature), on_device(seeds), on_device(offsets),
+                      top_k=on_device(md.top_k), top_p=on_device(md.top_p), min_p=on_device(md.min_p))
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:

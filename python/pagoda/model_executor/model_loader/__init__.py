@@ -41,14 +41,15 @@ def get_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     gguf_file: str | None = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """model: a Hugging Face folder (safetensors), a folder holding gguf_file,
     or the .gguf file itself; ignored for load_format="dummy".
 
-    Parameters are created on torch's default device (CPU unless a
-    `with torch.device(...)` is active) in `dtype`, untouched until loaded,
-    and weights stream in one tensor at a time: peak memory stays near the
-    final weights' size."""
+    Parameters are created directly on `device` (default: torch's default
+    device) in `dtype`, untouched until loaded, and weights stream in one
+    tensor at a time (read on the CPU, copied into place): peak memory stays
+    near the final weights' size, and a GPU model never exists on the CPU."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":
@@ -57,7 +58,8 @@ def get_model(
         weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype)
     else:
         weights = None
-    instance = get_model_class(hf_config)(hf_config, dtype)
+    with torch.device(device if device is not None else torch.get_default_device()):
+        instance = get_model_class(hf_config)(hf_config, dtype)
     if weights is None:
         initialize_dummy_weights(instance)
     else:

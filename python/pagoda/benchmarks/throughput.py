@@ -1,0 +1,107 @@
+"""`pagoda bench throughput` (vLLM's benchmarks/throughput.py): offline
+throughput of LLM.generate with every request submitted at once, EOS ignored
+so each request generates exactly its expected output length. With
+--hf-baseline, transformers' generate runs the same requests on the same
+device and dtype in the same command, and the ratio is printed."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict
+
+from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, add_dataset_args, get_dataset_spec,
+                                        special_token_ids, verify_fits)
+from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, model_shapes=True)
+    add_dataset_args(parser)
+    parser.add_argument("--greedy", action="store_true", help="temperature 0 (default: sampling at temperature 1)")
+    parser.add_argument("--hf-baseline", action="store_true",
+                        help="also run transformers' generate on the same requests")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16)
+    parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """vLLM's throughput figures (its JSON keys), plus output tokens/s."""
+    return dict(
+        elapsed_time=elapsed, num_requests=num_requests, total_num_tokens=prompt_tokens + output_tokens,
+        total_prompt_tokens=prompt_tokens, total_output_tokens=output_tokens,
+        requests_per_second=num_requests / elapsed, tokens_per_second=(prompt_tokens + output_tokens) / elapsed,
+        output_tokens_per_second=output_tokens / elapsed,
+    )
+
+
+def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True) -> dict:
+    """Times LLM.generate on `requests` after a run of `warmup` (requests of
+    other tokens: the timed ones must not find themselves in the prefix cache)."""
+    from pagoda import SamplingParams
+
+    # Explicit top_k/top_p: a model's generation_config must not make Pagoda
+    # sample differently from the baseline.
+    params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, ignore_eos=True,
+                             max_tokens=r.expected_output_len) for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
+                 [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True) for r in warmup], use_tqdm=False)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - started
+    output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return summarize(elapsed, len(requests), sum(r.prompt_len for r in requests), output_tokens)
+
+
+def main(args: argparse.Namespace) -> dict:
+    import torch
+
+    from pagoda import LLM
+
+    spec = get_dataset_spec(args)
+    engine_args = engine_args_from_cli(args)
+    llm = LLM(**asdict(engine_args))
+    model_config = llm.llm_engine.model_config
+    vocab, special = model_config.hf_config.vocab_size, special_token_ids(model_config.hf_config)
+    requests = RandomDataset(vocab, args.seed, special).sample(spec)
+    verify_fits(requests, model_config.max_model_len)
+    # Short (fits wherever the first request fits), of other random tokens.
+    prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
+    warmup = RandomDataset(vocab, args.seed + 1, special).sample(
+        DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
+    temperature = 0.0 if args.greedy else 1.0
+    results = dict(pagoda=run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm))
+    device = llm.llm_engine.runner.device
+    del llm  # free its weights and KV cache before the baseline loads
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.hf_baseline:
+        from pagoda.benchmarks.hf_baseline import load_hf_model, run_hf
+
+        model = load_hf_model(model_config, device)
+        elapsed, output_tokens = run_hf(model, requests, args.hf_batch_size, temperature, args.seed,
+                                        use_tqdm=not args.disable_tqdm)
+        results["hf"] = summarize(elapsed, len(requests), sum(r.prompt_len for r in requests), output_tokens)
+        results["pagoda_over_hf"] = (results["pagoda"]["output_tokens_per_second"]
+                                     / results["hf"]["output_tokens_per_second"])
+
+    print(f"\nmodel {engine_args.model}  dtype {str(model_config.torch_dtype).removeprefix('torch.')}  "
+          f"device {device}  {spec.describe()}")
+    for name in ("pagoda", "hf"):
+        if name in results:
+            r = results[name]
+            print(f"{name:<7} Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} "
+                  f"total tokens/s, {r['output_tokens_per_second']:.2f} output tokens/s "
+                  f"({r['total_output_tokens']} tokens in {r['elapsed_time']:.1f} s)")
+    if "pagoda_over_hf" in results:
+        print(f"pagoda / hf output throughput: {results['pagoda_over_hf']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(args=vars(args), engine_args=asdict(engine_args), dtype=str(model_config.torch_dtype),
+                           device=str(device), dataset=asdict(spec), **results), f, indent=1, default=str)
+    return results

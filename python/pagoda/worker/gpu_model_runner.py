@@ -1,0 +1,104 @@
+"""The CUDA runner: weights made on the GPU, the KV cache sized from a
+profiling forward pass and gpu_memory_utilization, and CUDA graphs for decode
+steps (unless enforce_eager).
+
+KV cache size: one step of the largest shape the scheduler can send
+(max_num_batched_tokens dummy tokens over min(max_num_seqs, tokens) prompts,
+all sampling) runs through the model, the logits and the sampler; its peak
+allocation (weights included) plus the memory outside torch's allocator (CUDA
+context, other processes) is subtracted from gpu_memory_utilization x the
+device's memory, and the rest becomes KV blocks. CUDA graphs are captured
+after that, from memory the utilization leaves out (logged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.logger import init_logger
+from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.cuda_graph_runner import CUDAGraphRunner, cudagraph_batch_sizes
+from pagoda.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+
+
+class GPUModelRunner(ModelRunner):
+    def determine_num_blocks(self) -> int:
+        utilization = self.cache_config.gpu_memory_utilization
+        with self.startup_phase("profiling") as details:
+            peak = self.profile_run()
+            free, total = torch.cuda.mem_get_info()
+            outside_torch = total - free - torch.cuda.memory_reserved()
+            available = int(total * utilization) - peak - outside_torch
+            details.append(
+                f"peak {peak / GiB:.2f} GiB in torch (weights and one step of {self.max_num_tokens} tokens), "
+                f"{outside_torch / GiB:.2f} GiB outside it; gpu_memory_utilization={utilization} of "
+                f"{total / GiB:.1f} GiB leaves {available / GiB:.2f} GiB for the KV cache"
+            )
+        override = self.cache_config.num_gpu_blocks_override
+        if override is not None:
+            return override
+        num_blocks = available // self.block_bytes()
+        if num_blocks < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: the weights and a step of max_num_batched_tokens="
+                f"{self.max_num_tokens} tokens peak at {peak / GiB:.2f} GiB (+{outside_torch / GiB:.2f} GiB outside "
+                f"torch) of the {utilization * total / GiB:.2f} GiB that gpu_memory_utilization={utilization} allows: "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        useful = self.max_useful_blocks()
+        if num_blocks > useful:
+            logger.info(
+                "KV cache capped at %d blocks: max_num_seqs=%d sequences of max_model_len=%d tokens use no more",
+                useful, self.max_num_reqs, self.model_config.max_model_len,
+            )
+        return int(min(num_blocks, useful))
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak bytes torch allocates (weights included) for the largest step
+        the scheduler can send."""
+        num_tokens = self.max_num_tokens
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        per_req, extra = divmod(num_tokens, num_reqs)
+        lengths = [min(per_req + (i < extra), self.model_config.max_model_len) for i in range(num_reqs)]
+        # Every dummy token writes into block 0 of a one-block stand-in cache.
+        scheduled = SchedulerOutput([
+            ScheduledRequest(f"profile-{i}", [0] * n, 0, [0] * -(-n // self.block_size), True, n)
+            for i, n in enumerate(lengths)
+        ])
+        self.initialize_kv_cache(1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        logits, _ = self.execute(scheduled)
+        # The sampler's worst path: fp32 copies, logprobs, a full sort for top-k/top-p.
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)] * num_reqs
+        Sampler()(logits, SamplingMetadata.from_requests(params, [[] for _ in params], device=self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        del logits
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_model(self) -> None:
+        if self.model_config.enforce_eager:
+            logger.info("CUDA graphs: off (enforce_eager=True): every step runs eagerly")
+            return
+        sizes = cudagraph_batch_sizes(min(self.max_num_reqs, self.max_num_tokens))
+        free_before, _ = torch.cuda.mem_get_info()
+        with self.startup_phase("CUDA graphs") as details:
+            graph_runner = CUDAGraphRunner(self.model, self.input_buffers)
+            graph_runner.capture(sizes)
+            details.append(
+                f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}), "
+                f"{(free_before - torch.cuda.mem_get_info()[0]) / 2**20:.0f} MiB"
+            )
+        self.graph_runner, self.cudagraph_batch_sizes = graph_runner, sizes

@@ -1,0 +1,46 @@
+"""Decode steps padded to CUDA-graph batch sizes -- the inputs the GPU
+runner's graphs replay on -- run eagerly on the CPU: the same greedy tokens as
+unpadded steps and as Hugging Face, while the batch shrinks as requests finish
+(so it pads to several sizes), with sampled logprobs unchanged."""
+
+import pytest
+from checkpoints import hf_greedy
+
+from pagoda import LLM, SamplingParams
+from pagoda.worker.cuda_graph_runner import cudagraph_batch_sizes
+
+PROMPTS = [[5, 9, 200, 17], [1], list(range(33, 50)), [250, 3], [7] * 30, [100, 101, 102], list(range(60, 100))]
+# Different lengths: 7 running requests pad to 8, then 4, 2 and 1 as they finish.
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (3, 14, 6, 9, 12, 1, 5)]
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_padded_decode_equals_unpadded(family, make_checkpoint):
+    model, folder = make_checkpoint(family)
+    plain = LLM(folder, dtype="float32", kv_cache_space=0.05)
+    padded = LLM(folder, dtype="float32", kv_cache_space=0.05)
+    runner = padded.llm_engine.runner
+    assert runner.cudagraph_batch_sizes == [] and runner.graph_runner is None  # the CPU never pads by itself
+    runner.cudagraph_batch_sizes = cudagraph_batch_sizes(8)
+    assert runner.cudagraph_batch_sizes == [1, 2, 4, 8]
+    prepare, padded_sizes = runner.input_buffers.prepare, []
+
+    def recording(scheduled, pad_to=None):
+        inputs = prepare(scheduled, pad_to)
+        if pad_to is not None:
+            padded_sizes.append((len(scheduled.scheduled), pad_to))
+        return inputs
+
+    runner.input_buffers.prepare = recording
+    want = plain.generate(PROMPTS, PARAMS, use_tqdm=False)
+    got = padded.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert {size for _, size in padded_sizes} == {8, 4, 2, 1}
+    assert any(n < size for n, size in padded_sizes), "no step had padding rows"
+    for prompt, params, w, g in zip(PROMPTS, PARAMS, want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(model, prompt, params.max_tokens)
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()
+            for token in lw:
+                assert lg[token].logprob == pytest.approx(lw[token].logprob, abs=1e-4)
+    kv = padded.llm_engine.kv_cache_manager
+    assert kv.num_free_blocks == runner.num_blocks, "KV blocks leaked"

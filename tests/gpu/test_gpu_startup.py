@@ -1,0 +1,75 @@
+"""Start-up on a GPU: the device and dtype chosen, weights and caches made on
+the GPU, the KV cache sized from the profiling pass (or the override), a
+clear error when nothing is left for it, and one log line per phase."""
+
+import logging
+
+import pytest
+import torch
+from checkpoints import build_hf_model, save_checkpoint
+
+from pagoda import LLM, SamplingParams
+from pagoda.worker.gpu_model_runner import GPUModelRunner
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_auto_picks_the_gpu_and_bf16(reference):
+    llm = LLM(reference("llama").folder, skip_tokenizer_init=True)
+    runner = llm.llm_engine.runner
+    assert isinstance(runner, GPUModelRunner) and runner.device.type == "cuda"
+    assert runner.dtype == torch.bfloat16  # an fp32 checkpoint runs in bf16 on a GPU
+    assert all(p.device.type == "cuda" for p in runner.model.parameters())
+    assert all(b.device.type == "cuda" for b in runner.model.buffers())
+    key_cache, value_cache = runner.attention_layers[0].kv_cache
+    assert key_cache.device.type == "cuda" and key_cache.dtype == torch.bfloat16
+    assert key_cache.shape[0] == runner.num_blocks
+    # Plenty of memory for a tiny model: every sequence can reach max_model_len.
+    assert runner.num_blocks == runner.max_useful_blocks()
+
+
+def test_fp16_checkpoint_stays_fp16(tmp_path):
+    folder = save_checkpoint(build_hf_model("qwen2").half(), str(tmp_path))
+    llm = LLM(folder, skip_tokenizer_init=True, enforce_eager=True)
+    assert llm.llm_engine.runner.dtype == torch.float16
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 4
+
+
+def test_cpu_still_selectable(reference):
+    llm = LLM(reference("llama").folder, skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_space=0.01)
+    assert llm.llm_engine.runner.device.type == "cpu"
+
+
+def test_override_and_too_little_memory(reference):
+    folder = reference("llama").folder
+    assert LLM(folder, skip_tokenizer_init=True, num_gpu_blocks_override=7).llm_engine.runner.num_blocks == 7
+    used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    too_little = max(used / torch.cuda.mem_get_info()[1] / 2, 1e-4)
+    with pytest.raises(ValueError, match="raise gpu_memory_utilization or lower max_num_batched_tokens"):
+        LLM(folder, skip_tokenizer_init=True, gpu_memory_utilization=too_little)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        LLM(folder, skip_tokenizer_init=True, gpu_memory_utilization=1.5)
+
+
+def test_startup_phases_are_logged(reference):
+    handler = Lines()
+    logger = logging.getLogger("pagoda")
+    logger.addHandler(handler)
+    try:
+        LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy")
+    finally:
+        logger.removeHandler(handler)
+    for phase in ("weights", "profiling", "KV cache", "CUDA graphs"):
+        assert any(line.startswith(f"{phase}: ") for line in handler.lines), f"no {phase} line in {handler.lines}"
+    ready = [line for line in handler.lines if line.startswith("model runner ready on cuda")]
+    assert len(ready) == 1 and all(p in ready[0] for p in ("weights", "profiling", "KV cache", "CUDA graphs"))
+    assert any(line.startswith("engine ready in ") for line in handler.lines)

@@ -1,0 +1,151 @@
+"""The server as its own process (`python -m pagoda.entrypoints.openai.api_server`):
+SIGTERM lets in-flight requests finish -- running and queued -- then exits 0;
+a bad flag exits with one line, no traceback."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import MODEL, free_port
+
+import pagoda
+
+
+def environment() -> dict:
+    # The child imports the same pagoda as this test.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(pagoda.__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p))
+
+
+def start(model_folder, *flags):
+    port = free_port()
+    command = [sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--model", model_folder,
+               "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32", "--kv-cache-space", "0.05",
+               "--disable-log-stats", *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
+
+
+CLIENTS, MAX_TOKENS = 8, 120
+
+
+def stream(url, results, index, first_chunk):
+    body = {"model": MODEL, "prompt": [5, 6, 7 + index], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                first_chunk.set()
+    results[index] = events
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_folder):
+    # One sequence at a time: while the first streams, the others wait in the queue.
+    proc, url = start(model_folder, "--max-num-seqs", "1")
+    try:
+        results, first_chunk = {}, threading.Event()
+        clients = [threading.Thread(target=stream, args=(url, results, i, first_chunk)) for i in range(CLIENTS)]
+        for c in clients:
+            c.start()
+        assert first_chunk.wait(60)
+        time.sleep(0.2)  # all requests have arrived
+        assert len(results) < CLIENTS - 1, "the requests ended before the signal: nothing left to drain"
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # no new connections while draining
+            httpx.get(url + "/health", timeout=5)
+        for c in clients:
+            c.join(60)
+        assert proc.wait(60) == 0
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - signalled < 40
+    for i in range(CLIENTS):  # every request ran to its end
+        events = results[i]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert '"finish_reason": "length"' in events[-3]
+        assert f'"completion_tokens": {MAX_TOKENS}' in events[-2]
+    assert "Traceback" not in stderr
+    assert sum("POST /v1/completions 200" in line for line in stderr.splitlines()) == CLIENTS, stderr  # one each
+
+
+def test_drain_is_bounded(model_folder):
+    """--timeout-graceful-shutdown: what is still in flight then is aborted
+    -- each stream still ends well-formed, with finish_reason "abort" -- and
+    the process exits 0."""
+    proc, url = start(model_folder, "--max-num-seqs", "1", "--timeout-graceful-shutdown", "0.5")
+    clients = 2 * CLIENTS  # seconds of work, one sequence at a time
+    try:
+        results, first_chunk = {}, threading.Event()
+        threads = [threading.Thread(target=stream, args=(url, results, i, first_chunk)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        assert first_chunk.wait(60)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        exited = time.monotonic() - signalled
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert exited < 20, exited  # far less than the work left
+    reasons = []
+    for events in results.values():
+        assert events[-1] == "data: [DONE]"
+        reasons.append("abort" if '"finish_reason": "abort"' in events[-3] else "length")
+    assert len(reasons) == clients and "abort" in reasons, reasons
+    assert "Traceback" not in stderr and "incomplete" not in stderr, stderr
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size=2"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+])
+def test_bad_engine_flag_is_one_line(model_folder, flags, says):
+    result = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--model", model_folder,
+                             *flags], capture_output=True, text=True, env=environment(), timeout=120)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("pagoda serve: error: ") and says in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_parser_flags():
+    from pagoda.entrypoints.openai.api_server import make_parser
+
+    parse = make_parser().parse_args
+    assert parse(["--allowed-origins", '["http://a", "http://b"]']).allowed_origins == ["http://a", "http://b"]
+    assert parse(["--allowed-origins", "http://a, http://b"]).allowed_origins == ["http://a", "http://b"]
+    args = parse(["--device", "cpu", "--load-format", "dummy", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+                  "--tensor-parallel-size", "1", "--disable-uvicorn-access-log"])
+    assert (args.device, args.load_format, args.enforce_eager, args.gpu_memory_utilization,
+            args.tensor_parallel_size, args.disable_uvicorn_access_log) == ("cpu", "dummy", True, 0.5, 1, True)
+    with pytest.raises(SystemExit):
+        parse(["--allowed-origins", '["http://a", 5]'])
+    with pytest.raises(SystemExit):
+        parse(["--load-format", "pickle"])

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Speed of the Triton prefill/extend attention over the paged KV cache on a
+GPU, beside torch SDPA (FlashAttention on contiguous K/V, no paging) on the
+same causal work.
+
+For each case: time per call (CUDA events, median), the attention FLOPs
+actually needed (4 x head_size per visible query-key pair per head, causal),
+TFLOP/s, and SDPA's time where the case is a plain causal prefill (SDPA's
+is_causal cannot express new tokens over a cached prefix).
+
+  PYTHONPATH=python python tools/benchmarks/bench_prefill_attention.py [--json out.json]
+"""
+
+import argparse
+import json
+import math
+
+import torch
+from bench_ops import median_ms
+
+from pagoda.model_executor.layers import triton_attention
+from pagoda.model_executor.layers.triton_attention import paged_prefill_attention
+
+# (name, q heads, kv heads, head size, context lengths, new tokens)
+CASES = [
+    ("llama3-8b 4x2048 prefill", 32, 8, 128, [2048] * 4, [2048] * 4),
+    ("llama3-8b 16x512 prefill", 32, 8, 128, [512] * 16, [512] * 16),
+    ("llama3-8b 512 new over 8k", 32, 8, 128, [8192], [512]),
+    ("qwen3-0.6b 8x1024 prefill", 16, 8, 128, [1024] * 8, [1024] * 8),
+    ("smollm2 8x1024 prefill", 9, 3, 64, [1024] * 8, [1024] * 8),
+]
+
+
+def paged_batch(num_heads, num_kv_heads, head_size, seq_lens, q_lens, block_size=16, dtype=torch.bfloat16):
+    blocks = [-(-n // block_size) for n in seq_lens]
+    key_cache = torch.randn(sum(blocks), block_size, num_kv_heads, head_size, device="cuda", dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    ids = torch.randperm(sum(blocks), device="cuda").int()
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    first = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = ids[first : first + n]
+        first += n
+    starts = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    return dict(
+        query=torch.randn(sum(q_lens), num_heads, head_size, device="cuda", dtype=dtype),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=starts,
+        scale=1 / math.sqrt(head_size),
+        max_query_len=max(q_lens),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name, heads, kv_heads, head_size, seq_lens, q_lens in CASES:
+        batch = paged_batch(heads, kv_heads, head_size, seq_lens, q_lens)
+        out = torch.empty_like(batch["query"])
+        ms = median_ms(lambda: paged_prefill_attention(**batch, out=out))
+        pairs = sum(q * (s - q) + q * (q + 1) // 2 for s, q in zip(seq_lens, q_lens))
+        flops = 4 * head_size * heads * pairs
+        row = dict(case=name, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=None)
+        if seq_lens == q_lens and len(set(q_lens)) == 1:
+            shape = (len(q_lens), heads, q_lens[0], head_size)
+            q = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+            k, v = torch.randn_like(q), torch.randn_like(q)  # K/V heads already expanded for GQA
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            row["sdpa_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True))
+        rows.append(row)
+    print(f"{torch.cuda.get_device_name()}  bf16, block size 16")
+    print(f"{'case':<30}{'ms':>9}{'TFLOP/s':>9}{'SDPA ms':>9}{'vs SDPA':>9}")
+    for r in rows:
+        sdpa = f"{r['sdpa_ms']:>9.3f}{r['sdpa_ms'] / r['ms']:>8.2f}x" if r["sdpa_ms"] else ""
+        print(f"{r['case']:<30}{r['ms']:>9.3f}{r['tflops']:>9.0f}{sdpa}")
+    print("MMA instructions in the compiled variants:", mma_kinds())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), results=rows, mma=mma_kinds()), f, indent=1)
+
+
+def mma_kinds() -> dict[str, int]:
+    """How many compiled variants of the kernel use wgmma (Hopper's warpgroup
+    MMA) or only mma.sync, read from their PTX (Triton's kernel cache layout:
+    device -> (kernels by key, ...))."""
+    kinds = {"wgmma": 0, "mma.sync only": 0, "neither": 0}
+    for cache in triton_attention._paged_prefill_kernel.device_caches.values():
+        for kernel in cache[0].values():
+            ptx = kernel.asm.get("ptx", "")
+            kinds["wgmma" if "wgmma" in ptx else "mma.sync only" if "mma.sync" in ptx else "neither"] += 1
+    return kinds
+
+
+if __name__ == "__main__":
+    main()
