@@ -3,12 +3,21 @@ so code written against vLLM's outputs reads ours unchanged."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # Why a completion ended: "stop" (EOS, a stop token id or a stop string),
 # "length" (max_tokens or the model's context), "abort" (the caller),
 # "timeout" (SamplingParams.timeout_seconds passed), None while running.
 FINISH_REASONS = ("stop", "length", "abort", "timeout")
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's output kinds: what each RequestOutput of a request holds."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only the text, token ids and logprobs new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass

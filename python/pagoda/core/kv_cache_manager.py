@@ -37,6 +37,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same, as ids: read every step by the runner
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already in the cache
 
     @property
@@ -84,6 +85,11 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         blocks = self._blocks.get(request.request_id, [])
         needed = max(cdiv(num_tokens, self.block_size) - len(blocks) - len(hits), 0)
+        if not needed and new_computed_blocks is None:
+            # Most decode steps: the tokens fit the blocks held; only a block
+            # that just filled up may join the prefix cache.
+            self._cache_full_blocks(request, blocks, num_tokens, 0)
+            return []
         # Hits nobody references sit in the free queue: touching them uses it up.
         free_hits = sum(1 for block in hits if block.ref_cnt == 0)
         if needed > self.pool.num_free_blocks - free_hits:
@@ -98,24 +104,32 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(request.request_id, blocks)
         blocks.extend(hits)
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            # Cached as soon as scheduled: this step's forward writes every
-            # block's KV before any attention reads it, so a request admitted
-            # later in the same step may already share these blocks.
-            num_full = min(num_tokens, request.num_tokens) // self.block_size
-            start = self._num_cached_blocks.get(request.request_id, len(hits))
-            if num_full > start:
-                self.pool.cache_full_blocks(blocks, self.block_hashes(request), start, num_full)
-            self._num_cached_blocks[request.request_id] = max(start, num_full)
+        self._block_ids.setdefault(request.request_id, []).extend(block.block_id for block in hits + new_blocks)
+        self._cache_full_blocks(request, blocks, num_tokens, len(hits))
         return new_blocks
 
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int, num_hits: int) -> None:
+        """Cached as soon as scheduled: this step's forward writes every
+        block's KV before any attention reads it, so a request admitted later
+        in the same step may already share these blocks."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, num_hits)
+        if num_full > start:
+            self.pool.cache_full_blocks(blocks, self.block_hashes(request), start, num_full)
+            self._num_cached_blocks[request.request_id] = num_full
+        elif request.request_id not in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = start
+
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._blocks.get(request_id, [])]
+        return list(self._block_ids.get(request_id, ()))
 
     def free(self, request_id: str) -> None:
         """Returns a request's blocks, tail first (so the ends of cached chains
         are evicted before their shared beginnings)."""
         blocks = self._blocks.pop(request_id, [])
+        self._block_ids.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         self.pool.free(list(reversed(blocks)))
 

@@ -60,7 +60,10 @@ class Request:
         prompt = len(self.prompt_token_ids)
         if end <= prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        # Decode steps slice the outputs alone: no copy of the whole sequence.
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
     @property
     def is_finished(self) -> bool:

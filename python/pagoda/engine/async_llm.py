@@ -23,7 +23,6 @@ step while busy), so check_health() can tell a stalled engine from a busy one.
 from __future__ import annotations
 
 import asyncio
-import enum
 import queue
 import threading
 import time
@@ -34,18 +33,10 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.logger import init_logger
 from pagoda.metrics import StatLogger
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput, RequestOutputKind  # noqa: F401 -- re-exported
 from pagoda.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-
-class RequestOutputKind(enum.Enum):
-    """vLLM's output kinds: what each streamed RequestOutput holds."""
-
-    CUMULATIVE = 0  # everything generated so far
-    DELTA = 1  # only the text, token ids and logprobs new since the previous output
-    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 class EngineDeadError(RuntimeError):

@@ -20,7 +20,7 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer, make_prompt_logpro
 from pagoda.engine.output_processor import Completion, RequestState
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, make_generator
-from pagoda.outputs import RequestMetrics, RequestOutput
+from pagoda.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import create_model_runner
 
@@ -80,8 +80,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Validates and queues a request; ValueError (naming the field) on bad input."""
+        """Validates and queues a request; ValueError (naming the field) on bad
+        input. With output_kind FINAL_ONLY, step() returns the request's output
+        only when it finishes (no per-token copies: the offline LLM's choice)."""
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = (params or SamplingParams()).clone()
@@ -95,6 +98,7 @@ class LLMEngine:
         self._check_length(len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time
         state = RequestState(request_id, text, token_ids, params, [], RequestMetrics(arrival_time=arrival_time))
+        state.final_only = output_kind is RequestOutputKind.FINAL_ONLY
         if params.timeout_seconds is not None:
             # Monotonic: a wall-clock jump must not end or extend requests.
             state.deadline = time.monotonic() - (time.time() - arrival_time) + params.timeout_seconds
@@ -237,7 +241,8 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = timed_out
         for state in touched.values():
-            outputs.append(state.output())
+            if not (state.final_only and not state.finished):
+                outputs.append(state.output())
             if state.finished:
                 self.states.pop(state.request_id, None)
         return outputs

@@ -45,7 +45,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     prompt_logprob_entries: list = field(default_factory=list)  # TokenLogprobs for prompt tokens 1.. so far
     num_cached_tokens: int = 0
-    reported_finished: bool = field(default=False)
+    final_only: bool = False  # step() reports it only when finished (RequestOutputKind.FINAL_ONLY)
 
     @property
     def finished(self) -> bool:

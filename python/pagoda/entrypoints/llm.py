@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -92,7 +92,8 @@ class LLM:
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
+                self.llm_engine.add_request(request_id, prompt, params, priority=prio,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:
