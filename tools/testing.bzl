@@ -20,6 +20,12 @@ def pagoda_py_test(name, srcs, deps = [], args = [], **kwargs):
         **kwargs
     )
 
+def pagoda_py_tests(tests, srcs = [], **kwargs):
+    """pagoda_py_test for each name in `tests` (file <name>.py), each also
+    given the shared `srcs` (conftest.py, helpers) and the same attributes."""
+    for test in tests:
+        pagoda_py_test(name = test, srcs = [test + ".py"] + srcs, **kwargs)
+
 def pagoda_cpu_isa_test(name, srcs, tags = [], env = {}, **kwargs):
     """One py_test per CPU kernel build (<name>_avx2, <name>_avx512), each
     forcing that build (see tests/ops/conftest.py); a build the CPU cannot

@@ -6,7 +6,7 @@ For each op: time per call (CUDA events, median of many), the bytes it must move
 fraction of a device-to-device copy measured in the same run, and the same op
 written in eager torch (the pure-torch reference in pagoda.ops) for a ratio.
 
-  PYTHONPATH=python python tools/benchmarks/bench_ops.py [--tokens 16384] [--json out.json]
+  PYTHONPATH=python python tools/benchmarks/bench_ops.py [--tokens 16384] [--output-json out.json]
 """
 
 import argparse
@@ -35,7 +35,7 @@ def median_ms(fn, iters: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     t, dt, dev = args.tokens, torch.bfloat16, "cuda"
     hidden, inter, heads, kv_heads, head = 4096, 14336, 32, 8, 128  # Llama-3.1-8B shapes
@@ -75,8 +75,8 @@ def main() -> None:
     print(f"{'op':<20}{'us':>10}{'TB/s':>8}{'of copy':>9}{'eager us':>10}{'speedup':>9}")
     for r in rows:
         print(f"{r['op']:<20}{r['us']:>10.1f}{r['tb_per_s']:>8.2f}{r['fraction_of_copy']:>9.0%}{r['eager_torch_us']:>10.1f}{r['speedup_vs_eager']:>8.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_tb_per_s=copy_bw, results=rows), f, indent=1)
 
 

@@ -8,7 +8,7 @@ actually needed (4 x head_size per visible query-key pair per head, causal),
 TFLOP/s, and SDPA's time where the case is a plain causal prefill (SDPA's
 is_causal cannot express new tokens over a cached prefix).
 
-  PYTHONPATH=python python tools/benchmarks/bench_prefill_attention.py [--json out.json]
+  PYTHONPATH=python python tools/benchmarks/bench_prefill_attention.py [--output-json out.json]
 """
 
 import argparse
@@ -56,7 +56,7 @@ def paged_batch(num_heads, num_kv_heads, head_size, seq_lens, q_lens, block_size
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     rows = []
     for name, heads, kv_heads, head_size, seq_lens, q_lens in CASES:
@@ -79,8 +79,8 @@ def main() -> None:
         sdpa = f"{r['sdpa_ms']:>9.3f}{r['sdpa_ms'] / r['ms']:>8.2f}x" if r["sdpa_ms"] else ""
         print(f"{r['case']:<30}{r['ms']:>9.3f}{r['tflops']:>9.0f}{sdpa}")
     print("MMA instructions in the compiled variants:", mma_kinds())
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=rows, mma=mma_kinds()), f, indent=1)
 
 

@@ -3,7 +3,7 @@
 the sampler's torch path run on the same CUDA logits (a full sort for
 top_k/top_p, softmax, exponential race).
 
-  PYTHONPATH=python python tools/benchmarks/bench_sampling.py [--vocab 151936] [--json out.json]
+  PYTHONPATH=python python tools/benchmarks/bench_sampling.py [--vocab 151936] [--output-json out.json]
 """
 
 import argparse
@@ -34,7 +34,7 @@ def torch_path(logits, temperature, top_k, top_p, min_p):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vocab", type=int, default=151936)  # Qwen3
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     rows = []
     for batch in (1, 64, 256):
@@ -56,8 +56,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>6}  {r['knobs']:<24}{r['kernel_us']:>10.1f}{r['torch_us']:>10.1f}"
               f"{r['torch_us'] / r['kernel_us']:>8.1f}x")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), vocab=args.vocab, results=rows), f, indent=1)
 
 

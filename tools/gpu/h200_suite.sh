@@ -4,7 +4,8 @@
 # with torch + CUDA and no Bazel:
 #
 #   tools/gpu/h200_suite.sh check      build, CUDA op tests, GPU engine tests
-#   tools/gpu/h200_suite.sh bench      kernel and engine benchmarks
+#   tools/gpu/h200_suite.sh bench      kernel and engine benchmarks (over 10 minutes with
+#                                      the transformers baseline: one device call each)
 #   tools/gpu/h200_suite.sh all        both
 #
 # Logs and JSON go to $OUT (default ./gpu-results); the last lines printed are
@@ -37,6 +38,14 @@ fi
 
 if [[ $stage == bench || $stage == all ]]; then
   step bench_paged_attention 120 python3 tools/benchmarks/bench_paged_attention.py --no-flex --output-json "$out/paged_attention.json"
+  step bench_prefill_attention 60 python3 tools/benchmarks/bench_prefill_attention.py --output-json "$out/prefill_attention.json"
+  step bench_sampling 60 python3 tools/benchmarks/bench_sampling.py --output-json "$out/sampling.json"
+  bench="python3 -m pagoda.entrypoints.cli bench"
+  nano="--dataset-name nano-vllm --max-model-len 4096 --disable-tqdm"
+  step qwen3_nano 300 $bench throughput --model-shape Qwen3-0.6B $nano --hf-baseline --hf-batch-size 256 --output-json "$out/qwen3_nano.json"
+  step llama8b_nano 120 $bench throughput --model-shape Llama-3.1-8B $nano --output-json "$out/llama8b_nano.json"
+  step qwen3_latency 60 $bench latency --model-shape Qwen3-0.6B --batch-size 32 --input-len 512 --output-len 128 \
+    --num-iters-warmup 2 --num-iters 5 --no-enable-prefix-caching --disable-tqdm --output-json "$out/qwen3_latency.json"
 fi
 
 cat "$out/gpu.txt"
