@@ -40,6 +40,8 @@ class GPUModelRunner(ModelRunner):
                 f"{outside_torch / GiB:.2f} GiB outside it; gpu_memory_utilization={utilization} of "
                 f"{total / GiB:.1f} GiB leaves {available / GiB:.2f} GiB for the KV cache"
             )
+        with self.startup_phase("Triton prefill kernels") as details:
+            details.append(self._compile_prefill_kernels())
         override = self.cache_config.num_gpu_blocks_override
         if override is not None:
             return override
@@ -87,6 +89,20 @@ class GPUModelRunner(ModelRunner):
         del logits
         torch.cuda.empty_cache()
         return peak
+
+    def _compile_prefill_kernels(self) -> str:
+        """The Triton prefill kernel compiles one variant per query-tile height
+        (16 to 128 rows, from the step's longest new-token run) on first use:
+        compiled here, at start-up, rather than inside the first requests
+        (Triton caches them in ~/.triton: later starts only load them)."""
+        lengths = [n for n in (32, 64, 128) if n <= min(self.max_num_tokens, self.model_config.max_model_len)]
+        self.initialize_kv_cache(1)  # every token writes into block 0 of a stand-in cache
+        for num_tokens in lengths:
+            blocks = [0] * -(-num_tokens // self.block_size)
+            self.execute(SchedulerOutput([ScheduledRequest("compile", [0] * num_tokens, 0, blocks, True, num_tokens)]))
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        return f"query tiles for runs of up to {', '.join(map(str, lengths))} new tokens"
 
     def capture_model(self) -> None:
         if self.model_config.enforce_eager:

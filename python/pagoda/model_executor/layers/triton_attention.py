@@ -114,7 +114,11 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Triton compiles a variant per value class of each int argument (== 1,
+# divisible by 16, other). These two change from step to step (the batch's
+# widest block table, its longest new-token run) and only feed index math: one
+# variant serves all, so no compile lands in the middle of serving.
+@triton.jit(do_not_specialize=["stride_table", "tiles_per_seq"])
 def _paged_prefill_kernel(
     out,
     query,
