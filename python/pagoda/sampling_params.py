@@ -100,7 +100,8 @@ class SamplingParams:
         need(_is_int(self.top_k) and self.top_k >= 0,
              f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k!r}")
         need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        need(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+             f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         need(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
         need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")

@@ -33,7 +33,7 @@ def test_defaults_match_vllm():
     ("presence_penalty", 2.5), ("presence_penalty", -2.1),
     ("frequency_penalty", 3.0), ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("seed", 1.5), ("seed", "7"),
+    ("seed", 1.5), ("seed", "7"), ("seed", 2**64), ("seed", -(2**63) - 1),
     ("stop", [""]), ("stop", [3]),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("max_tokens", 0), ("max_tokens", 2.0),

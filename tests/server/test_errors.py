@@ -51,6 +51,21 @@ def test_unsupported_features_are_refused(server, path, extra, says):
     assert "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("path, extra, says", [
+    ("/v1/completions", {"n": 129}, "n must be at most 128"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs must be in [0, 20]"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100]"),
+    ("/v1/completions", {"seed": 2**80}, "seed must be None or an int in [-2**63, 2**64)"),
+])
+def test_limits(server, path, extra, says):
+    """Values past the API's limits get a 400 naming the limit (an unbounded n
+    or logprobs would let one request occupy the server)."""
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    assert_error(post(server, path, dict(base, model=MODEL, max_tokens=2) | extra), 400, says=says)
+    still_serving(server)
+
+
 def test_context_length_exceeded(server):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 100, "max_tokens": 50})
     error = assert_error(r, 400, code="context_length_exceeded", param="max_tokens")

@@ -23,6 +23,14 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# Completions per request at most (OpenAI's limit): each one is a sequence in
+# the engine, so an unbounded n would let one request occupy the server.
+MAX_N = 128
+# Top logprobs per token at most (vLLM's default max_logprobs; OpenAI's chat limit).
+MAX_LOGPROBS = 20
+# logit_bias values (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
+
 # Fields shared by both endpoints that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
@@ -61,6 +69,10 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N} (OpenAI's limit), got {self.n}")
+        if self.logit_bias and any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.best_of is not None and self.best_of > 1:
             raise ValueError("best_of > 1 is not supported by Pagoda yet")
         if self.stream_options is not None and not self.stream:
@@ -96,6 +108,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix is not supported by Pagoda yet")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported by Pagoda yet")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -168,6 +182,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"response_format {self.response_format.type!r} is not supported by Pagoda yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return self
 
     @property
