@@ -68,8 +68,14 @@ def load():
     return _C
 
 
-def has_cuda_ops() -> bool:
-    """Whether torch.ops.pagoda.* have CUDA implementations in this process."""
+def has_kernel(op: str, device: str = "cuda") -> bool:
+    """Whether torch.ops.pagoda.<op> has an implementation for `device`
+    ("cpu", "cuda") in this process."""
     import pagoda.ops  # noqa: F401 -- loads the libraries (once) before asking
 
-    return torch._C._dispatch_has_kernel_for_dispatch_key("pagoda::rms_norm", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper())
+
+
+def has_cuda_ops() -> bool:
+    """Whether torch.ops.pagoda.* have CUDA implementations in this process."""
+    return has_kernel("rms_norm")

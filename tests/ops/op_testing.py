@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from pagoda import _native
+
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
     # Up to two units in the last place: the kernels sum in another order than
@@ -19,6 +21,6 @@ def strided_rows(rows: int, width: int, dtype, device, pad: int = 5) -> torch.Te
 
 def skip_without_kernel(op: str, device: str) -> str:
     """`device`, or a skip when the op has no kernel for it yet."""
-    if device != "cpu" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper()):
+    if device != "cpu" and not _native.has_kernel(op, device):
         pytest.skip(f"no {device} implementation of {op} yet")
     return device

@@ -395,18 +395,15 @@ def error_batch(**changes):
     return batch
 
 
+def op_args(batch, out):
+    """The arguments of torch.ops.pagoda.paged_attention, in schema order."""
+    keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc", "scale")
+    return (out,) + tuple(batch[k] for k in keys)
+
+
 def call(batch, out=None):
     out = torch.empty(batch["query"].shape, dtype=batch["query"].dtype) if out is None else out
-    torch.ops.pagoda.paged_attention(
-        out,
-        batch["query"],
-        batch["key_cache"],
-        batch["value_cache"],
-        batch["block_tables"],
-        batch["seq_lens"],
-        batch["query_start_loc"],
-        batch["scale"],
-    )
+    torch.ops.pagoda.paged_attention(*op_args(batch, out))
 
 
 def i32(*values):
@@ -470,16 +467,4 @@ def test_meta_tensors_trace_without_computing():
 def test_opcheck():
     batch = make_batch([40, 5, 17], [3, 5, 1], 6, 2, 64, 16)
     out = torch.empty(batch["query"].shape)
-    torch.library.opcheck(
-        torch.ops.pagoda.paged_attention.default,
-        (
-            out,
-            batch["query"],
-            batch["key_cache"],
-            batch["value_cache"],
-            batch["block_tables"],
-            batch["seq_lens"],
-            batch["query_start_loc"],
-            batch["scale"],
-        ),
-    )
+    torch.library.opcheck(torch.ops.pagoda.paged_attention.default, op_args(batch, out))

@@ -18,11 +18,7 @@ from pagoda.model_executor.layers.sampler import (
 )
 from pagoda.sampling_params import SamplingParams
 
-HAS_CUDA_SAMPLE = (
-    torch.cuda.is_available()
-    and _native.has_cuda_ops()
-    and torch._C._dispatch_has_kernel_for_dispatch_key("pagoda::sample", "CUDA")
-)
+HAS_CUDA_SAMPLE = torch.cuda.is_available() and _native.has_kernel("sample")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA_SAMPLE, reason="needs a CUDA GPU and the CUDA build of pagoda::sample")
 # The distribution checks run the reference on the CPU and, where it exists, the kernel.
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA_SAMPLE else [])

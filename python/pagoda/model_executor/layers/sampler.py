@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pagoda import ops
+from pagoda import _native, ops
 from pagoda.sampling_params import SamplingParams
 
 
@@ -163,7 +163,7 @@ class Sampler(nn.Module):
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return logits.argmax(dim=-1)
-        if logits.is_cuda and _has_gpu_sampling():
+        if logits.is_cuda and _native.has_kernel("sample"):
             return _sample_on_gpu(logits, md)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         is_greedy = md.temperature == 0.0
@@ -176,10 +176,6 @@ class Sampler(nn.Module):
         probs = torch.softmax(logits, dim=-1)
         sampled = exponential_race(probs, md.generators, md.generator)
         return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
-
-
-def _has_gpu_sampling() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("pagoda::sample", "CUDA")
 
 
 def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
