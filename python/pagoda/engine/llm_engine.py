@@ -241,7 +241,7 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = timed_out
         for state in touched.values():
-            if not (state.final_only and not state.finished):
+            if not state.final_only or state.finished:
                 outputs.append(state.output())
             if state.finished:
                 self.states.pop(state.request_id, None)

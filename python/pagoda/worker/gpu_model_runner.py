@@ -13,6 +13,9 @@ after that, from memory the utilization leaves out (logged).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -69,26 +72,37 @@ class GPUModelRunner(ModelRunner):
         num_reqs = min(self.max_num_reqs, num_tokens)
         per_req, extra = divmod(num_tokens, num_reqs)
         lengths = [min(per_req + (i < extra), self.model_config.max_model_len) for i in range(num_reqs)]
-        # Every dummy token writes into block 0 of a one-block stand-in cache.
-        scheduled = SchedulerOutput([
-            ScheduledRequest(f"profile-{i}", [0] * n, 0, [0] * -(-n // self.block_size), True, n)
-            for i, n in enumerate(lengths)
-        ])
-        self.initialize_kv_cache(1)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        logits, _ = self.execute(scheduled)
-        # The sampler's worst path: fp32 copies, logprobs, a full sort for top-k/top-p.
-        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)] * num_reqs
-        Sampler()(logits, SamplingMetadata.from_requests(params, [[] for _ in params], device=self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        for layer in self.attention_layers:
-            layer.kv_cache = None
+        with self._stand_in_kv_cache():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            logits, _ = self.execute(self._dummy_step(lengths))
+            # The sampler's worst path: fp32 copies, logprobs, a full sort for top-k/top-p.
+            params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)] * num_reqs
+            Sampler()(logits, SamplingMetadata.from_requests(params, [[] for _ in params], device=self.device))
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
         del logits
         torch.cuda.empty_cache()
         return peak
+
+    @contextlib.contextmanager
+    def _stand_in_kv_cache(self) -> Iterator[None]:
+        """A one-block KV cache for the start-up passes, dropped afterwards:
+        every dummy token writes into block 0 (see _dummy_step)."""
+        self.initialize_kv_cache(1)
+        try:
+            yield
+        finally:
+            for layer in self.attention_layers:
+                layer.kv_cache = None
+
+    def _dummy_step(self, lengths: list[int]) -> SchedulerOutput:
+        """A step of prompts of these lengths, all sampling, every block id 0."""
+        return SchedulerOutput([
+            ScheduledRequest(f"dummy-{i}", [0] * n, 0, [0] * -(-n // self.block_size), True, n)
+            for i, n in enumerate(lengths)
+        ])
 
     def _compile_prefill_kernels(self) -> str:
         """The Triton prefill kernel compiles one variant per query-tile height
@@ -96,12 +110,9 @@ class GPUModelRunner(ModelRunner):
         compiled here, at start-up, rather than inside the first requests
         (Triton caches them in ~/.triton: later starts only load them)."""
         lengths = [n for n in (32, 64, 128) if n <= min(self.max_num_tokens, self.model_config.max_model_len)]
-        self.initialize_kv_cache(1)  # every token writes into block 0 of a stand-in cache
-        for num_tokens in lengths:
-            blocks = [0] * -(-num_tokens // self.block_size)
-            self.execute(SchedulerOutput([ScheduledRequest("compile", [0] * num_tokens, 0, blocks, True, num_tokens)]))
-        for layer in self.attention_layers:
-            layer.kv_cache = None
+        with self._stand_in_kv_cache():
+            for num_tokens in lengths:
+                self.execute(self._dummy_step([num_tokens]))
         return f"query tiles for runs of up to {', '.join(map(str, lengths))} new tokens"
 
     def capture_model(self) -> None:

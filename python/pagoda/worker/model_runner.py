@@ -11,6 +11,7 @@ prompt logits. Subclasses decide how many KV blocks fit and what to capture.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import contextlib
 import time
@@ -29,7 +30,7 @@ from pagoda.worker.input_buffers import InputBuffers, ModelInputs
 logger = init_logger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(abc.ABC):
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig):
         self.model_config, self.cache_config, self.scheduler_config = model_config, cache_config, scheduler_config
         self.device = model_config.device
@@ -93,9 +94,9 @@ class ModelRunner:
             device=self.device,
         )
 
+    @abc.abstractmethod
     def determine_num_blocks(self) -> int:
         """How many KV cache blocks to allocate (num_gpu_blocks_override wins)."""
-        raise NotImplementedError
 
     def block_bytes(self) -> int:
         """Bytes of one KV cache block over all layers (keys and values)."""
