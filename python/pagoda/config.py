@@ -203,6 +203,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     # "fcfs" (arrival order) or "priority" (lowest request priority value first, ties by arrival).
     scheduling_policy: str = "fcfs"
+    # Queue each step before reading the previous one's samples, so host work
+    # overlaps the device's (LLMEngine). None: on for CUDA, off on the CPU
+    # (where host and "device" share the cores).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         from pagoda.core.request_queue import SCHEDULING_POLICIES

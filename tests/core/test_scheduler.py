@@ -3,7 +3,10 @@ model): scheduling policies, preemption victims, prefix-cache hits computing
 only the tail, and a randomized (hypothesis) run checking the invariants --
 no block leaked or owned twice, ref counts equal owners, every cached prefix
 holds the right tokens, every request finishes exactly once with the
-one-request-at-a-time output, and the pool is whole at the end."""
+one-request-at-a-time output, and the pool is whole at the end. The
+randomized run also schedules asynchronously (each step before the previous
+one's samples are read, as the GPU engine does), with stop tokens that end
+requests a step after their next step was scheduled."""
 
 import collections
 
@@ -21,10 +24,12 @@ def next_token(tokens):
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % 97
 
 
-def reference_output(prompt, max_tokens):
+def reference_output(prompt, max_tokens, stop_token=None):
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens))
+        if tokens[-1] == stop_token:
+            break
     return tokens[len(prompt):]
 
 
@@ -34,7 +39,8 @@ class SimulatedEngine:
     already-computed positions hold exactly the request's tokens (what a
     wrong prefix-cache hit or a reused live block would break)."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs", caching=True):
+    def __init__(self, num_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs", caching=True,
+                 async_scheduling=False):
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, policy)
         self.slots = [None] * (num_blocks * block_size)
@@ -42,10 +48,17 @@ class SimulatedEngine:
         self.outputs = {}
         self.num_computed_tokens = 0
         self.order = []  # request ids in the order they were first scheduled
+        self.async_scheduling = async_scheduling
+        self.in_flight = None  # async: (output, sampled) of the step run last, not read yet
+        self.device_tokens = {}  # request id -> prompt + every token sampled (read or not)
+        self.stop_tokens = {}
 
-    def add(self, request_id, prompt, max_tokens, priority=0, arrival_time=0.0):
+    def add(self, request_id, prompt, max_tokens, priority=0, arrival_time=0.0, stop_token=None):
         params = SamplingParams(max_tokens=max_tokens)
-        self.scheduler.add_request(Request(request_id, prompt, params, arrival_time, priority))
+        request = Request(request_id, prompt, params, arrival_time, priority, max_num_tokens=len(prompt) + max_tokens)
+        self.scheduler.add_request(request)
+        self.device_tokens[request_id] = list(prompt)
+        self.stop_tokens[request_id] = stop_token
 
     def abort(self, request_id):
         request = self.scheduler.requests.get(request_id)
@@ -55,32 +68,53 @@ class SimulatedEngine:
 
     def step(self):
         output = self.scheduler.schedule()
-        assert not output.is_empty or not self.scheduler.has_unfinished_requests(), "nothing schedulable"
+        assert not output.is_empty or self.in_flight or not self.scheduler.has_unfinished_requests(), "stuck"
+        ran = (output, self.run_model(output)) if not output.is_empty else None
+        if self.async_scheduling:
+            ran, self.in_flight = self.in_flight, ran
+        if ran is not None:
+            self.read_samples(*ran)
+        self.check_blocks()
+        return output
+
+    def run_model(self, output):
+        """The device's side: fills KV slots, samples; a pending input token
+        comes from the previous step's samples, as the GPU runner copies it."""
         bs = self.kv.block_size
+        previous = self.in_flight[1] if self.in_flight else {}
         sampled = {}
         for item in output.scheduled:
-            request = self.scheduler.requests[item.request_id]
             if item.request_id not in self.order:
                 self.order.append(item.request_id)
-            tokens = request.all_token_ids
+            tokens = self.device_tokens[item.request_id]
             slot = lambda pos: item.block_ids[pos // bs] * bs + pos % bs  # noqa: E731
             end = item.start_position + len(item.token_ids)
             assert len(item.block_ids) * bs >= end
-            assert item.token_ids == tokens[item.start_position:end]
+            token_ids = list(item.token_ids)
+            if item.last_token_pending:
+                assert self.async_scheduling
+                token_ids[-1] = previous[item.request_id]
+            assert token_ids == tokens[item.start_position:end]
             for pos in range(item.start_position):
                 assert self.slots[slot(pos)] == tokens[pos], f"{item.request_id}: wrong KV at {pos}"
             for pos in range(item.start_position, end):
                 self.slots[slot(pos)] = tokens[pos]
             self.num_computed_tokens += len(item.token_ids)
             if item.sample:
+                assert end == len(tokens), "sampled twice for one position"
                 sampled[item.request_id] = next_token(tokens)
-        for request in self.scheduler.update_from_output(output, sampled):
-            if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+                tokens.append(sampled[item.request_id])
+        return sampled
+
+    def read_samples(self, output, sampled):
+        """The host's side: tokens of requests still running, stop checks."""
+        live = {request_id: token for request_id, token in sampled.items() if request_id in self.scheduler.requests}
+        for request in self.scheduler.update_from_output(output, live):
+            stopped = request.output_token_ids[-1] == self.stop_tokens[request.request_id]
+            if stopped or len(request.output_token_ids) >= request.sampling_params.max_tokens:
                 self.outputs[request.request_id] = list(request.output_token_ids)
                 self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
                 self.finished[request.request_id] += 1
-        self.check_blocks()
-        return output
 
     def run(self):
         while self.scheduler.has_unfinished_requests():
@@ -170,6 +204,7 @@ request_strategy = st.fixed_dictionaries({
     "max_tokens": st.integers(1, 6),
     "priority": st.integers(0, 3),
     "abort_after": st.one_of(st.none(), st.integers(0, 15)),
+    "stop_token": st.one_of(st.none(), st.integers(0, 96)),
 })
 
 
@@ -181,10 +216,13 @@ request_strategy = st.fixed_dictionaries({
     max_num_batched_tokens=st.integers(1, 16),
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
+    async_scheduling=st.booleans(),
     specs=st.lists(request_strategy, min_size=1, max_size=10),
 )
-def test_random_traffic_keeps_the_invariants(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, policy, caching, specs):
-    engine = SimulatedEngine(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, policy, caching)
+def test_random_traffic_keeps_the_invariants(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, policy, caching,
+                                             async_scheduling, specs):
+    engine = SimulatedEngine(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, policy, caching,
+                             async_scheduling)
     capacity = num_blocks * block_size
     requests = []
     for index, spec in enumerate(specs):
@@ -197,7 +235,7 @@ def test_random_traffic_keeps_the_invariants(block_size, num_blocks, max_num_seq
     while step <= 12 or engine.scheduler.has_unfinished_requests():
         for arrival, request_id, prompt, max_tokens, spec in requests:
             if arrival == step:
-                engine.add(request_id, prompt, max_tokens, spec["priority"], arrival_time=float(arrival))
+                engine.add(request_id, prompt, max_tokens, spec["priority"], float(arrival), spec["stop_token"])
                 if spec["abort_after"] is not None:
                     aborts[request_id] = step + spec["abort_after"]
         for request_id, when in aborts.items():
@@ -209,9 +247,9 @@ def test_random_traffic_keeps_the_invariants(block_size, num_blocks, max_num_seq
         assert step < 10_000, "no progress"
     assert set(engine.finished) == {request_id for _, request_id, *_ in requests}
     assert all(count == 1 for count in engine.finished.values())
-    for _, request_id, prompt, max_tokens, _ in requests:
+    for _, request_id, prompt, max_tokens, spec in requests:
         if request_id in engine.outputs:
-            assert engine.outputs[request_id] == reference_output(prompt, max_tokens)
+            assert engine.outputs[request_id] == reference_output(prompt, max_tokens, spec["stop_token"])
     engine.assert_pool_whole()
 
 

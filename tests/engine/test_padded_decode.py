@@ -1,7 +1,9 @@
 """Decode steps padded to CUDA-graph batch sizes -- the inputs the GPU
 runner's graphs replay on -- run eagerly on the CPU: the same greedy tokens as
 unpadded steps and as Hugging Face, while the batch shrinks as requests finish
-(so it pads to several sizes), with sampled logprobs unchanged."""
+(so it pads to several sizes), with sampled logprobs unchanged -- also with
+async scheduling, whose decode inputs are filled from the previous step's
+samples into the padded buffers."""
 
 import pytest
 from checkpoints import hf_greedy
@@ -14,19 +16,20 @@ PROMPTS = [[5, 9, 200, 17], [1], list(range(33, 50)), [250, 3], [7] * 30, [100, 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (3, 14, 6, 9, 12, 1, 5)]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_padded_decode_equals_unpadded(family, make_checkpoint):
+def test_padded_decode_equals_unpadded(family, async_scheduling, make_checkpoint):
     model, folder = make_checkpoint(family)
     plain = LLM(folder, dtype="float32", kv_cache_space=0.05)
-    padded = LLM(folder, dtype="float32", kv_cache_space=0.05)
+    padded = LLM(folder, dtype="float32", kv_cache_space=0.05, async_scheduling=async_scheduling)
     runner = padded.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [] and runner.graph_runner is None  # the CPU never pads by itself
     runner.cudagraph_batch_sizes = cudagraph_batch_sizes(8)
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 8]
     prepare, padded_sizes = runner.input_buffers.prepare, []
 
-    def recording(scheduled, pad_to=None):
-        inputs = prepare(scheduled, pad_to)
+    def recording(scheduled, pad_to=None, previous_sample_rows=None):
+        inputs = prepare(scheduled, pad_to, previous_sample_rows)
         if pad_to is not None:
             padded_sizes.append((len(scheduled.scheduled), pad_to))
         return inputs

@@ -30,6 +30,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        max_num_tokens: int | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -38,6 +39,14 @@ class Request:
         self.priority = priority
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled (or being sampled) on the device whose ids the host
+        # has not read yet: set by the scheduler, resolved by update_from_output.
+        # With async scheduling the next step is scheduled before the ids
+        # arrive; the one step ahead feeds such a token from the device.
+        self.num_pending_tokens = 0
+        # Prompt plus max_tokens, capped by max_model_len: no step is scheduled
+        # for a request whose pending tokens already take it there.
+        self.max_num_tokens = max_num_tokens
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -51,6 +60,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated, the pending ones included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

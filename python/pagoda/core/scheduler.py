@@ -9,6 +9,13 @@ num_computed_tokens. The waiting queue is ordered by the scheduling policy
 
 The scheduler never touches tensors: its output is a plain dataclass the model
 runner turns into inputs, and update_from_output takes plain token ids back.
+
+A step's computed tokens count at scheduling time, and its samples as pending
+tokens until update_from_output brings their ids, so the next step can be
+scheduled before the ids reach the host (async scheduling): a request whose
+last token is still pending gets that token as a placeholder
+(ScheduledRequest.last_token_pending), which the model runner fills on the
+device from the previous step's samples.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this step completes the request's known tokens: sample the next one
     num_prompt_tokens: int
+    # token_ids[-1] is a placeholder for the token this request sampled in
+    # the previous step, not read by the host yet (async scheduling).
+    last_token_pending: bool = False
 
 
 @dataclass
@@ -94,7 +104,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_uncomputed(request), budget)
+            if num_new == 0:
+                index += 1  # its pending tokens end it (length): it waits for their ids
+                continue
             while self.kv.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -116,7 +129,7 @@ class Scheduler:
             # prefix, if any, counts as computed.
             computed_blocks = self.kv.get_computed_blocks(request)
             num_computed = len(computed_blocks or ()) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens + request.num_pending_tokens - num_computed, budget)
             if self.kv.allocate_slots(request, num_computed + num_new, computed_blocks) is None:
                 break
             self.waiting.pop()
@@ -132,18 +145,34 @@ class Scheduler:
             num_new = scheduled.get(request.request_id, 0)
             if num_new == 0:
                 continue
-            start = request.num_computed_tokens
+            start, end, known = request.num_computed_tokens, request.num_computed_tokens + num_new, request.num_tokens
+            token_ids = request.token_ids_slice(start, min(end, known))
+            if end > known:  # at most one: the previous step's sample
+                token_ids.append(0)
+            sample = end == known + request.num_pending_tokens
             output.scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.token_ids_slice(start, start + num_new),
+                    token_ids=token_ids,
                     start_position=start,
                     block_ids=self.kv.block_ids(request.request_id),
-                    sample=start + num_new == request.num_tokens,
+                    sample=sample,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    last_token_pending=end > known,
                 )
             )
+            request.num_computed_tokens = end
+            request.num_pending_tokens += sample
         return output
+
+    @staticmethod
+    def _num_uncomputed(request: Request) -> int:
+        """Tokens a running request still needs KV for: none once its pending
+        tokens reach max_num_tokens (the host ends it when their ids arrive)."""
+        total = request.num_tokens + request.num_pending_tokens
+        if request.num_pending_tokens and request.max_num_tokens is not None and total >= request.max_num_tokens:
+            return 0
+        return total - request.num_computed_tokens
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV (cached blocks stay in the prefix
@@ -158,15 +187,18 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances the scheduled requests; `sampled` maps request id -> new
-        token for those that sampled. Returns the requests that got a token."""
+        """Resolves the step's pending tokens; `sampled` maps request id -> new
+        token for the requests that sampled and are still unfinished (one that
+        ended since is left out). Returns the requests that got a token."""
         advanced = []
         for item in output.scheduled:
+            token = sampled.get(item.request_id) if item.sample else None
+            if token is None:
+                continue
             request = self.requests[item.request_id]
-            request.num_computed_tokens += len(item.token_ids)
-            if item.sample:
-                request.output_token_ids.append(sampled[item.request_id])
-                advanced.append(request)
+            request.num_pending_tokens -= 1
+            request.output_token_ids.append(token)
+            advanced.append(request)
         return advanced
 
     def finish(self, request: Request, status: RequestStatus) -> None:

@@ -33,6 +33,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
+    async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
     # vLLM's flag and defaults: LLM passes True (quiet offline runs), AsyncLLM False.
     disable_log_stats: bool = True
     stats_interval: float = 10.0  # seconds between stats lines
@@ -55,7 +56,7 @@ class EngineArgs:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            scheduling_policy=self.scheduling_policy,
+            scheduling_policy=self.scheduling_policy, async_scheduling=self.async_scheduling,
         )
         return model_config, cache_config, scheduler_config
 

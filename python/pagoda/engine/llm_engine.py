@@ -3,11 +3,20 @@ runner, the sampler and the output processor -- all in one process.
 
 Data flows one way each step: scheduler decision -> runner inputs -> model ->
 sampler -> detokenizer/stop checks -> RequestOutputs.
+
+Async scheduling (the default on a GPU): a step is queued on the device and the
+engine then reads the previous step's samples, detokenizes them and checks
+stops while the device computes -- the host's Python work hides behind the
+GPU's. The next step is scheduled before those samples reach the host (their
+input ids are copied on the device), so a request that stops spends one more
+row of one step, whose token is dropped. Requests with penalties need every
+sampled id on the host: while one is in flight, steps run one at a time.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -15,11 +24,17 @@ import torch
 from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
-from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.detokenizer import IncrementalDetokenizer, make_prompt_logprobs
 from pagoda.engine.output_processor import Completion, RequestState
 from pagoda.logger import init_logger
-from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata, compute_token_logprobs, make_generator
+from pagoda.model_executor.layers.sampler import (
+    DeviceSamplerOutput,
+    Sampler,
+    SamplingMetadata,
+    compute_token_logprobs,
+    make_generator,
+)
 from pagoda.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import create_model_runner
@@ -32,6 +47,16 @@ _FINISH_STATUS = {
     "abort": RequestStatus.FINISHED_ABORTED,
     "timeout": RequestStatus.FINISHED_TIMEOUT,
 }
+
+
+@dataclass
+class _LaunchedStep:
+    """A step queued on the device, before the host reads its results."""
+
+    scheduled: SchedulerOutput
+    requests: list[Request]  # the ones that sample, in their rows' order
+    samples: DeviceSamplerOutput | None
+    prompt_logits: list[tuple[RequestState, int, torch.Tensor]]  # (request, first position, logits)
 
 
 def load_tokenizer(model_config: ModelConfig):
@@ -60,6 +85,10 @@ class LLMEngine:
             policy=scheduler_config.scheduling_policy,
         )
         self.sampler = Sampler()
+        self.async_scheduling = scheduler_config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.runner.device.type == "cuda"
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: the step queued last
         self.vocab_size = model_config.hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_config, self.tokenizer)
         self.generation_defaults = model_config.generation_config
@@ -111,8 +140,14 @@ class LLMEngine:
             if params.seed is not None:
                 self.generators[child_id] = make_generator(params.seed + index, self.runner.device)
             self.parents[child_id] = state
-            self.scheduler.add_request(Request(child_id, token_ids, params, arrival_time, priority))
+            self.scheduler.add_request(
+                Request(child_id, token_ids, params, arrival_time, priority, self._max_num_tokens(token_ids, params))
+            )
         self.states[request_id] = state
+
+    def _max_num_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        max_len = self.model_config.max_model_len
+        return max_len if params.max_tokens is None else min(max_len, len(token_ids) + params.max_tokens)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -178,29 +213,43 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs the model once, samples and returns the outputs of
-        the requests that advanced (finished ones for the last time)."""
-        timed_out = self._expire_deadlines()
+        """Schedules and queues one step, and returns the outputs of the
+        requests that advanced (finished ones for the last time): this step's,
+        or with async scheduling the previous step's."""
+        outputs = self._expire_deadlines()
+        in_flight = self._in_flight
+        if in_flight is not None and any(r.sampling_params.uses_penalties for r in in_flight.requests):
+            self._in_flight = None
+            outputs += self._finish_step(in_flight)
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
+        if scheduled.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("the scheduler could not schedule any pending request (KV cache too small?)")
-            return timed_out
+            return outputs
+        launched = None if scheduled.is_empty else self._launch(scheduled)
+        if self.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            outputs += self._finish_step(launched)
+        return outputs
+
+    def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
+        """Runs the model and the sampler on the step, without waiting for the device."""
         now = time.time()
+        prompt_logprob_ids = set()
         for item in scheduled.scheduled:
             state = self.parents[item.request_id]
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 # Prompt tokens the first scheduling found in the prefix cache.
                 state.num_cached_tokens = self.scheduler.requests[item.request_id].num_cached_tokens
-        wants_prompt_logprobs = frozenset(
-            item.request_id for item in scheduled.scheduled if self._wants_prompt_logprobs(item.request_id)
-        )
+            if self._wants_prompt_logprobs(item.request_id):
+                prompt_logprob_ids.add(item.request_id)
         requests = [self.scheduler.requests[item.request_id] for item in scheduled.scheduled if item.sample]
         metadata = None
         if requests:
-            # Built before the forward pass is queued: on a GPU its small
-            # host-to-device copies would otherwise wait for the model to finish.
+            # Built before the forward pass is queued: its host-to-device
+            # copies then go ahead of the model's work on the GPU stream.
             metadata = SamplingMetadata.from_requests(
                 [r.sampling_params for r in requests],
                 [r.output_token_ids for r in requests],
@@ -208,21 +257,43 @@ class LLMEngine:
                 generators=[self.generators.get(r.request_id) for r in requests],
                 eos_token_ids=self.eos_token_ids,
                 device=self.runner.device,
+                num_output_tokens=[r.num_output_tokens - 1 for r in requests],  # this step's sample is pending too
             )
-        logits, prompt_logits = self.runner.execute(scheduled, wants_prompt_logprobs)
-        for child_id, (first_position, chunk_logits) in prompt_logits.items():
-            self._add_prompt_logprobs(self.parents[child_id], first_position, chunk_logits)
+        previous = self._in_flight.samples if self._in_flight is not None else None
+        logits, prompt_logits = self.runner.execute(
+            scheduled, frozenset(prompt_logprob_ids), None if previous is None else previous.sampled
+        )
+        samples = None
+        if requests:
+            samples = self.sampler.sample(logits, metadata)
+            samples.start_copy_to_host()
+        return _LaunchedStep(
+            scheduled,
+            requests,
+            samples,
+            [(self.parents[child_id], first, chunk) for child_id, (first, chunk) in prompt_logits.items()],
+        )
+
+    def _finish_step(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Waits for a launched step's samples and turns them into outputs:
+        detokenization, stop checks, finished requests released."""
         sampled: dict[str, int] = {}
         logprobs: dict[str, Any] = {}
-        if requests:
-            result = self.sampler(logits, metadata)
-            for row, request in enumerate(requests):
-                sampled[request.request_id] = result.sampled_token_ids[row]
-                if result.logprobs is not None:
-                    logprobs[request.request_id] = result.logprobs[row]
-        advanced = self.scheduler.update_from_output(scheduled, sampled)
+        if step.samples is not None:
+            result = step.samples.to_host()
+            for row, request in enumerate(step.requests):
+                # A request that ended since (a stop found meanwhile, an abort)
+                # drops its token.
+                if self.scheduler.requests.get(request.request_id) is request:
+                    sampled[request.request_id] = result.sampled_token_ids[row]
+                    if result.logprobs is not None:
+                        logprobs[request.request_id] = result.logprobs[row]
+        for state, first_position, chunk_logits in step.prompt_logits:
+            if self.states.get(state.request_id) is state:
+                self._add_prompt_logprobs(state, first_position, chunk_logits)
+        advanced = self.scheduler.update_from_output(step.scheduled, sampled)
         if self.stat_logger is not None:
-            self.stat_logger.record(scheduled, num_generated_tokens=len(advanced))
+            self.stat_logger.record(step.scheduled, num_generated_tokens=len(advanced))
 
         now = time.time()
         touched: dict[str, RequestState] = {}
@@ -239,7 +310,7 @@ class LLMEngine:
             if completion.detokenizer.finished:
                 self._release(request.request_id, _FINISH_STATUS[completion.detokenizer.finish_reason])
             touched[state.request_id] = state
-        outputs = timed_out
+        outputs = []
         for state in touched.values():
             if not state.final_only or state.finished:
                 outputs.append(state.output())

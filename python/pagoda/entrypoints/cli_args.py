@@ -79,6 +79,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     group.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
                        help="GPU: share of the device memory for weights and KV cache")
     group.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="queue each step before reading the previous one's tokens, overlapping host and "
+                            "device work (default: on for CUDA, off on the CPU)")
     group.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--seed", type=int, default=0)

@@ -12,6 +12,11 @@ Decode steps (one new token per sequence) can be padded to a CUDA-graph
 batch size: a padded row has token 0 at position 0, slot -1 (reshape_and_cache
 skips it), one token of context and block table row starting at block 0 (any
 valid block: its output row is never read).
+
+With async scheduling a request's newest token may still be on the device
+(ScheduledRequest.last_token_pending): its input id is a placeholder here,
+and pending_src/pending_dst say which of the previous step's sampled ids goes
+into which input row -- the runner copies them on the device.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class ModelInputs:
     positions: torch.Tensor  # int64, like input_ids
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [num_sampling_reqs]: rows of the hidden states that sample
+    pending_src: torch.Tensor  # int64 [num_pending]: rows of the previous step's sampled ids ...
+    pending_dst: torch.Tensor  # int64 [num_pending]: ... and the input rows they fill
     query_start_loc: np.ndarray  # host copy [num_reqs + 1], to slice rows without reading the device
     num_reqs: int
     num_tokens: int  # without padding
@@ -61,6 +68,8 @@ class InputBuffers:
             "positions": (torch.int64, tokens),
             "slot_mapping": (torch.int64, tokens),
             "logits_indices": (torch.int64, reqs),
+            "pending_src": (torch.int64, reqs),
+            "pending_dst": (torch.int64, reqs),
             "seq_lens": (torch.int32, reqs),
             "query_start_loc": (torch.int32, reqs + 1),
             # Last, so a step copies only the rows it fills: [num_reqs, width] packed.
@@ -86,9 +95,13 @@ class InputBuffers:
         # refilled before the previous copy has read it.
         self._copied = torch.cuda.Event() if on_gpu else None
 
-    def prepare(self, scheduled: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
+    def prepare(
+        self, scheduled: SchedulerOutput, pad_to: int | None = None, previous_sample_rows: dict[str, int] | None = None
+    ) -> ModelInputs:
         """Fills the buffers for one step; with pad_to (a decode step only),
-        appends padding rows up to that batch size."""
+        appends padding rows up to that batch size. previous_sample_rows: the
+        previous step's sampling requests -> their rows in its sampled ids
+        (needed when a request's last token is pending)."""
         items = scheduled.scheduled
         num_reqs = len(items)
         q_lens = np.fromiter((len(item.token_ids) for item in items), np.int64, num_reqs)
@@ -128,6 +141,12 @@ class InputBuffers:
         sampling = np.fromiter((item.sample for item in items), bool, num_reqs)
         num_sampling = int(sampling.sum())
         self.logits_indices.np[:num_sampling] = query_start_loc[1 : num_reqs + 1][sampling] - 1
+        pending = [i for i, item in enumerate(items) if item.last_token_pending]
+        if pending:
+            if previous_sample_rows is None or any(items[i].request_id not in previous_sample_rows for i in pending):
+                raise RuntimeError("a pending token that the previous step did not sample")
+            self.pending_src.np[: len(pending)] = [previous_sample_rows[items[i].request_id] for i in pending]
+            self.pending_dst.np[: len(pending)] = query_start_loc[1 : num_reqs + 1][pending] - 1
         max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
         max_query_len = int(q_lens.max()) if num_reqs else 0
 
@@ -168,6 +187,8 @@ class InputBuffers:
             positions=self.positions.gpu[:num_input],
             metadata=metadata,
             logits_indices=self.logits_indices.gpu[:num_sampling],
+            pending_src=self.pending_src.gpu[: len(pending)],
+            pending_dst=self.pending_dst.gpu[: len(pending)],
             query_start_loc=query_start_loc[: num_reqs + 1].copy(),
             num_reqs=num_reqs,
             num_tokens=num_tokens,

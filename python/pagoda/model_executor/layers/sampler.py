@@ -67,6 +67,7 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None  # [N]
     prompt_token_ids: Sequence[Sequence[int]] | None = None  # per row; needed for repetition_penalty
     output_token_ids: Sequence[Sequence[int]] = ()  # per row: tokens generated so far
+    num_output_tokens: Sequence[int] = ()  # per row: how many (ids still on the device included)
     min_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> token ids to mask (still below min_tokens)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: bias}
     num_logprobs: list[int | None] | None = None  # per row; None when no row asks
@@ -87,21 +88,28 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int] = (),
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
+        num_output_tokens: Sequence[int] | None = None,
     ) -> SamplingMetadata:
         """One row per (request, sample): `generators[i]` is row i's own
         generator (None when unseeded); `eos_token_ids` are masked with the
-        stop ids while a row has fewer than min_tokens outputs."""
+        stop ids while a row has fewer than min_tokens outputs.
+        `num_output_tokens[i]`: tokens row i generated before this one
+        (default: len(output_token_ids[i]); more when some ids are still on
+        the device -- penalties need them all on the host)."""
         if len(output_token_ids) != len(params):
             raise ValueError(f"{len(params)} rows of params but {len(output_token_ids)} of output_token_ids")
+        if num_output_tokens is None:
+            num_output_tokens = [len(t) for t in output_token_ids]
+
         def floats(name):
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+            return to_device([getattr(p, name) for p in params], torch.float32, device)
 
         temperature = floats("temperature")
         greedy = [p.temperature == 0.0 for p in params]
         md = cls(temperature=temperature, all_greedy=all(greedy), all_random=not any(greedy),
-                 output_token_ids=output_token_ids, generator=generator)
+                 output_token_ids=output_token_ids, num_output_tokens=num_output_tokens, generator=generator)
         if any(p.top_k > 0 for p in params):
-            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+            md.top_k = to_device([p.top_k for p in params], torch.int64, device)
         if any(p.top_p < 1.0 for p in params):
             md.top_p = floats("top_p")
         if any(p.min_p > 0.0 for p in params):
@@ -117,7 +125,7 @@ class SamplingMetadata:
         if generators is not None:
             md.generators = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
         for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
+            if num_output_tokens[i] < p.min_tokens:
                 md.min_tokens[i] = sorted(set(p.stop_token_ids) | set(eos_token_ids))
             if p.logit_bias:
                 md.logit_bias[i] = p.logit_bias
@@ -143,8 +151,43 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None = None  # per row, trimmed to that row's k; None if no row asked
 
 
+@dataclass
+class DeviceSamplerOutput:
+    """A step's samples still on the logits' device: nothing has waited for
+    the GPU. start_copy_to_host() queues their copy into pinned memory;
+    to_host() waits for it and returns the plain SamplerOutput."""
+
+    sampled: torch.Tensor  # [N] int64: the next step's input ids for these rows
+    logprob_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see _logprob_tensors
+    num_logprobs: Sequence[int | None] | None = None
+    _host: list[torch.Tensor] | None = None  # pinned copies of sampled and logprob_tensors
+    _copied: torch.cuda.Event | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.sampled, *(self.logprob_tensors or ())]
+
+    def start_copy_to_host(self) -> None:
+        if self.sampled.is_cuda:
+            self._host = [_to_pinned(t) for t in self._tensors()]
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def to_host(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        sampled, *logprob_tensors = self._host or self._tensors()
+        out = SamplerOutput(sampled_token_ids=sampled.tolist())
+        if logprob_tensors:
+            out.logprobs = _logprob_lists(*logprob_tensors, self.num_logprobs)
+        return out
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        return self.sample(logits, md).to_host()
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> DeviceSamplerOutput:
+        """Like forward, without waiting for the device."""
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -153,10 +196,10 @@ class Sampler(nn.Module):
         apply_logit_bias(logits, md.logit_bias)
         apply_min_tokens(logits, md.min_tokens)
         apply_penalties(logits, md)
-        sampled = self._sample(logits, md)
-        out = SamplerOutput(sampled_token_ids=sampled.tolist())
+        out = DeviceSamplerOutput(self._sample(logits, md))
         if raw_logprobs is not None:
-            out.logprobs = _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, md.num_logprobs)
+            out.logprob_tensors = _logprob_tensors(raw_logprobs, out.sampled, md.max_num_logprobs)
+            out.num_logprobs = md.num_logprobs
         return out
 
     @staticmethod
@@ -192,14 +235,33 @@ def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         own = [g.initial_seed() for g in md.generators.values()]
         seeds[list(md.generators)] = torch.tensor([s - 2**64 if s >= 2**63 else s for s in own],
                                                   dtype=torch.int64, device=seeds.device)
-    offsets = torch.tensor([len(t) for t in md.output_token_ids] if md.output_token_ids else [0] * n,
-                           dtype=torch.int64)
+    offsets = torch.tensor(list(md.num_output_tokens) if md.num_output_tokens else [0] * n, dtype=torch.int64)
 
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(logits.device, non_blocking=True)
+        return None if t is None else to_device(t, t.dtype, logits.device)
 
     return ops.sample(logits, on_device(md.temperature), on_device(seeds), on_device(offsets),
                       top_k=on_device(md.top_k), top_p=on_device(md.top_p), min_p=on_device(md.min_p))
+
+
+def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list or tensor on `device` without waiting for the GPU: a copy
+    from pageable memory would first wait for all queued work (CUDA's rule),
+    one from pinned memory is queued behind it."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(device=device, dtype=dtype)
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking device-to-host copy into pinned memory (valid once
+    an event recorded after it has completed)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
@@ -208,8 +270,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
     rows = [r for r, b in logit_bias.items() for _ in b]
     cols = [t for b in logit_bias.values() for t in b]
     vals = [v for b in logit_bias.values() for v in b.values()]
-    idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+    idx = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
+    logits.index_put_(idx, to_device(vals, logits.dtype, logits.device), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, list[int]]) -> None:
@@ -217,7 +279,7 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, list[int]]) -> 
     rows = [r for r, ids in min_tokens.items() for _ in ids]
     if rows:
         cols = [t for ids in min_tokens.values() for t in ids]
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = float("-inf")
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
@@ -230,7 +292,8 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -
         if len(t):
             padded[i, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
     counts = torch.zeros((n, vocab_size + 1), dtype=torch.int32, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=torch.int32, device=device))
+    index = to_device(padded, torch.int64, device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
     return counts[:, :vocab_size]
 
 
@@ -291,20 +354,25 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
-                     per_row_k: Sequence[int | None] | None = None) -> list[TokenLogprobs | None]:
-    """The given token's logprob and rank (1 + the number of strictly more
-    likely tokens) and the top-k, per row, as plain lists."""
+def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: ids [N, 1 + k] and logprobs [N, 1 + k] of the given token then
+    the top-k, and the given token's rank [N] (1 + the number of strictly
+    more likely tokens)."""
     k = min(k, logprobs.shape[1])
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_vals, top_ids = logprobs.topk(k, dim=-1)
-    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
-    vals = torch.cat([chosen, top_vals], dim=1).tolist()
-    ranks = ranks.tolist()
+    return torch.cat([token_ids.unsqueeze(1), top_ids], dim=1), torch.cat([chosen, top_vals], dim=1), ranks
+
+
+def _logprob_lists(ids: torch.Tensor, vals: torch.Tensor, ranks: torch.Tensor,
+                   per_row_k: Sequence[int | None] | None = None) -> list[TokenLogprobs | None]:
+    """_logprob_tensors' rows as plain lists, each trimmed to its row's k."""
+    ids, vals, ranks = ids.tolist(), vals.tolist(), ranks.tolist()
     out: list[TokenLogprobs | None] = []
     for i in range(len(ids)):
-        row_k = k if per_row_k is None else per_row_k[i]
+        row_k = len(ids[i]) - 1 if per_row_k is None else per_row_k[i]
         out.append(None if row_k is None else TokenLogprobs(ids[i][: row_k + 1], vals[i][: row_k + 1], ranks[i]))
     return out
 
@@ -312,7 +380,7 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,
 def compute_token_logprobs(logits: torch.Tensor, target_token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
     """Row i of logits scored against target_token_ids[i] (raw logprobs)."""
     targets = torch.as_tensor(list(target_token_ids), dtype=torch.int64, device=logits.device)
-    return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+    return _logprob_lists(*_logprob_tensors(torch.log_softmax(logits.float(), dim=-1), targets, k))
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:
