@@ -279,7 +279,9 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, list[int]]) -> 
     rows = [r for r, ids in min_tokens.items() for _ in ids]
     if rows:
         cols = [t for ids in min_tokens.values() for t in ids]
-        logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = float("-inf")
+        idx = (to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device))
+        # A tensor made on the device: a Python scalar would be copied there, and wait.
+        logits.index_put_(idx, torch.full((len(rows),), float("-inf"), device=logits.device))
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
