@@ -1,7 +1,8 @@
 """AsyncLLM end to end on a tiny random Llama (prompts as token ids): concurrent
 streams equal LLM.generate, delta/cumulative/final-only outputs agree,
 cancelling frees the KV blocks, an engine failure reaches every waiter, and
-the event loop keeps running while the engine steps.
+the event loop keeps running while the engine steps -- with the engine
+scheduling one step at a time and asynchronously (the GPU default).
 
 pytest-asyncio is not installed: each test drives its coroutine with asyncio.run.
 """
@@ -31,9 +32,9 @@ def reference(folder):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture
-def llm(folder):
-    llm = AsyncLLM(folder, disable_log_stats=True, **ENGINE_ARGS)
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+def llm(folder, request):
+    llm = AsyncLLM(folder, disable_log_stats=True, async_scheduling=request.param, **ENGINE_ARGS)
     yield llm
     llm.shutdown()
     assert not llm._thread.is_alive()

@@ -91,7 +91,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
 
         if self.policy == "priority":
             # Most important first, so the preemption victim below -- always
@@ -117,7 +116,7 @@ class Scheduler:
                     break
             if num_new == 0:
                 continue  # request itself was preempted: it left self.running
-            scheduled[request.request_id] = num_new
+            self._add_to_step(output, request, num_new)
             budget -= num_new
             index += 1
 
@@ -138,32 +137,32 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
-            scheduled[request.request_id] = num_new
+            self._add_to_step(output, request, num_new)
             budget -= num_new
-
-        for request in self.running:
-            num_new = scheduled.get(request.request_id, 0)
-            if num_new == 0:
-                continue
-            start, end, known = request.num_computed_tokens, request.num_computed_tokens + num_new, request.num_tokens
-            token_ids = request.token_ids_slice(start, min(end, known))
-            if end > known:  # at most one: the previous step's sample
-                token_ids.append(0)
-            sample = end == known + request.num_pending_tokens
-            output.scheduled.append(
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=token_ids,
-                    start_position=start,
-                    block_ids=self.kv.block_ids(request.request_id),
-                    sample=sample,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    last_token_pending=end > known,
-                )
-            )
-            request.num_computed_tokens = end
-            request.num_pending_tokens += sample
         return output
+
+    def _add_to_step(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Schedules num_new tokens of a request whose slots are allocated (a
+        request already in the step is never preempted later in it, so its
+        block table is final)."""
+        start, end, known = request.num_computed_tokens, request.num_computed_tokens + num_new, request.num_tokens
+        token_ids = request.token_ids_slice(start, min(end, known))
+        if end > known:  # at most one: the previous step's sample
+            token_ids.append(0)
+        sample = end == known + request.num_pending_tokens
+        output.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=token_ids,
+                start_position=start,
+                block_ids=self.kv.block_ids(request.request_id),
+                sample=sample,
+                num_prompt_tokens=request.num_prompt_tokens,
+                last_token_pending=end > known,
+            )
+        )
+        request.num_computed_tokens = end
+        request.num_pending_tokens += sample
 
     @staticmethod
     def _num_uncomputed(request: Request) -> int:
