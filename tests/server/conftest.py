@@ -3,12 +3,11 @@ around an AsyncLLM on a tiny random Llama whose vocabulary covers a small
 byte-level BPE tokenizer trained here (with a chat template), so text prompts
 and chat work too."""
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
+from running_server import RunningServer, free_port  # noqa: F401 (the tests import them from here)
 
 CORPUS = ["hello world, hello again. The quick brown fox jumps over the lazy dog.",
           "user assistant system: what is the capital of France? Paris is."] * 5
@@ -52,49 +51,11 @@ def model_folder(tmp_path_factory):
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    """build_app + uvicorn.Server.run in a thread; stop() shuts both down.
-    app_kwargs go to build_app."""
-
-    def __init__(self, engine, api_key=None, **app_kwargs):
-        import uvicorn
-
-        from pagoda.entrypoints.openai.api_server import build_app
-
-        self.engine = engine
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = build_app(engine, MODEL, api_key=api_key, **app_kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.engine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def server(model_folder):
     from pagoda.engine.async_llm import AsyncLLM
 
-    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS))
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL)
     yield running
     running.stop()
 

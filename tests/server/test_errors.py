@@ -93,7 +93,8 @@ def test_api_key(model_folder):
 
     from pagoda.engine.async_llm import AsyncLLM
 
-    keyed = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), api_key="sesame")
+    keyed = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL,
+                          api_key="sesame")
     try:
         body = {"model": MODEL, "prompt": [5], "max_tokens": 2}
         assert_error(post(keyed, "/v1/completions", body), 401, code="invalid_api_key")
@@ -110,7 +111,7 @@ def test_dead_engine_is_503(model_folder):
 
     from pagoda.engine.async_llm import AsyncLLM
 
-    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS))
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL)
     try:
         running.engine.shutdown()
         assert_error(httpx.get(running.url + "/health"), 503)

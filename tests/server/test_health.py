@@ -17,7 +17,8 @@ def health(server):
 def test_stalled_engine_fails_health(model_folder, monkeypatch):
     from pagoda.engine.async_llm import AsyncLLM
 
-    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), engine_stall_timeout=0.5)
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL,
+                            engine_stall_timeout=0.5)
     try:
         time.sleep(0.8)
         assert health(running).status_code == 200  # idle that long is not a stall
@@ -56,7 +57,8 @@ def test_busy_engine_with_slow_steps_is_healthy(model_folder, monkeypatch):
 
     from pagoda.engine.async_llm import AsyncLLM
 
-    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), engine_stall_timeout=0.5)
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL,
+                            engine_stall_timeout=0.5)
     try:
         slow_steps(monkeypatch, running.engine, 0.1)
         body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 15, "ignore_eos": True}

@@ -53,7 +53,7 @@ def preflight(server, origin):
 def cors_server(model_folder):
     from pagoda.engine.async_llm import AsyncLLM
 
-    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS),
+    running = RunningServer(AsyncLLM(model_folder, disable_log_stats=True, **ENGINE_ARGS), MODEL,
                             allowed_origins=["http://app.example"], log_requests=True)
     yield running
     running.stop()
