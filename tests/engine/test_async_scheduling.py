@@ -128,3 +128,15 @@ def test_abort_with_a_step_in_flight_frees_blocks_and_the_id(checkpoint):
     assert finished["r"].outputs[0].token_ids == alone.outputs[0].token_ids
     assert len(finished["other"].outputs[0].token_ids) == 50
     assert_pool_full(llm)
+
+
+def test_off_by_default_on_the_cpu_and_logged(checkpoint, caplog):
+    with caplog.at_level("INFO", logger="pagoda.engine.arg_utils"):
+        engine = LLM(checkpoint, dtype="float32", kv_cache_space=0.05).llm_engine
+    assert engine.async_scheduling is False
+    assert any("(async scheduling off)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_value_names_the_field(checkpoint):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(checkpoint, dtype="float32", kv_cache_space=0.05, async_scheduling="yes")

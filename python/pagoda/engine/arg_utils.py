@@ -69,5 +69,8 @@ class EngineArgs:
         if not self.disable_log_stats:
             engine.stat_logger = StatLogger(engine, self.stats_interval)
         # Config, tokenizer and model runner together: the cold start a user waits for.
-        logger.info("engine ready in %.1f s", time.perf_counter() - started)
+        logger.info(
+            "engine ready in %.1f s (async scheduling %s)",
+            time.perf_counter() - started, "on" if engine.async_scheduling else "off",
+        )
         return engine
