@@ -10,9 +10,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, closing_chunk,
-                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
-                                                      run_all, sampling_params, sse, stream_error, usage)
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
+                                                      fit_max_tokens, new_id, now, request_timings, run_all,
+                                                      sampling_params, sse, stream_choices, usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -69,31 +69,14 @@ async def _stream(state, request, request_id, created, model, prompts, params) -
     for index in range(params.n):
         yield sse(dict(chunk, choices=[dict(index=index, delta=dict(role="assistant", content=""), logprobs=None,
                                             finish_reason=None)]))
-    finished, completion_tokens, finals = set(), 0, []
-    try:
-        async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,
-                                    RequestOutputKind.DELTA):
-            if out.finished:
-                finals.append(out)
-            for c in out.outputs:
-                if c.index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
-                    continue
-                completion_tokens += len(c.token_ids)
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                choice = dict(index=c.index, delta=dict(content=c.text) if c.text or c.finish_reason is None else {},
-                              logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
-                              finish_reason=c.finish_reason)
-                yield sse(dict(chunk, choices=[choice]))
-    except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
-        yield stream_error(state, exc)
-    else:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        last = closing_chunk(chunk, usage(len(prompts[0]["prompt_token_ids"]), completion_tokens) if include_usage
-                             else None, request_timings(finals) if request.return_timings else None)
-        if last is not None:
-            yield last
-    yield sse("[DONE]")
+
+    def choice(_, index: int, c: CompletionOutput) -> dict:
+        return dict(index=index, delta=dict(content=c.text) if c.text or c.finish_reason is None else {},
+                    logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
+                    finish_reason=c.finish_reason)
+
+    async for event in stream_choices(state, request, request_id, chunk, prompts, params, choice):
+        yield event
 
 
 def _logprobs(c: CompletionOutput, tokenizer, top_n: int) -> dict:

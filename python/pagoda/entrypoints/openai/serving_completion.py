@@ -9,9 +9,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, closing_chunk,
-                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
-                                                      run_all, sampling_params, sse, stream_error, usage)
+from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
+                                                      fit_max_tokens, new_id, now, request_timings, run_all,
+                                                      sampling_params, stream_choices, usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -58,34 +58,16 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
 async def _stream(state, request, request_id, created, model, prompts, params, echo) -> AsyncIterator[str]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="text_completion", created=created, model=model)
-    finished, started, completion_tokens, finals = set(), set(), 0, []
-    try:
-        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
-                                    RequestOutputKind.DELTA):
-            if out.finished:
-                finals.append(out)
-            for c in out.outputs:
-                index = i * params.n + c.index
-                if index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
-                    continue  # nothing new for this choice in this output
-                completion_tokens += len(c.token_ids)
-                text = c.text if index in started else echo[i] + c.text
-                started.add(index)
-                if c.finish_reason is not None:
-                    finished.add(index)
-                choice = dict(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                              logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None)
-                yield sse(dict(chunk, choices=[choice]))
-    except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
-        yield stream_error(state, exc)
-    else:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
-        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        last = closing_chunk(chunk, usage(prompt_tokens, completion_tokens) if include_usage else None,
-                             request_timings(finals) if request.return_timings else None)
-        if last is not None:
-            yield last
-    yield sse("[DONE]")
+    started = set()  # choices whose echoed prompt went out
+
+    def choice(i: int, index: int, c: CompletionOutput) -> dict:
+        text = c.text if index in started else echo[i] + c.text
+        started.add(index)
+        return dict(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None)
+
+    async for event in stream_choices(state, request, request_id, chunk, prompts, params, choice):
+        yield event
 
 
 def _logprobs(c: CompletionOutput, tokenizer) -> dict:

@@ -1,6 +1,7 @@
 """What the completion and chat handlers share: the served model, prompt
 checks, SamplingParams from a request, running several engine requests as
-one, cancelling on client disconnect, timings, and server-sent events."""
+one, cancelling on client disconnect, timings, and the streamed chunks
+(server-sent events)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.prometheus import PrometheusStatLogger
 from pagoda.sampling_params import SamplingParams
 
@@ -158,6 +159,39 @@ def request_timings(outputs: list[RequestOutput]) -> dict[str, float]:
     request that finished last."""
     last = max(outputs, key=lambda o: o.metrics.finished_time or 0.0)
     return last.metrics.timings()
+
+
+async def stream_choices(state: ServerState, request: Any, request_id: str, chunk: dict, prompts: list[Any],
+                         params: SamplingParams,
+                         choice: Callable[[int, int, CompletionOutput], dict]) -> AsyncIterator[str]:
+    """The streamed body after any opening chunks: one chunk per choice that
+    has something new (choice index = prompt index * n + output index;
+    choice(prompt index, choice index, delta) builds it), an error event if
+    the engine fails, the closing usage/timings chunk asked for, [DONE]."""
+    finished, completion_tokens, finals = set(), 0, []
+    try:
+        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
+                                    RequestOutputKind.DELTA):
+            if out.finished:
+                finals.append(out)
+            for c in out.outputs:
+                index = i * params.n + c.index
+                if index in finished or (not c.token_ids and not c.text and c.finish_reason is None):
+                    continue  # nothing new for this choice in this output
+                completion_tokens += len(c.token_ids)
+                if c.finish_reason is not None:
+                    finished.add(index)
+                yield sse(dict(chunk, choices=[choice(i, index, c)]))
+    except Exception as exc:  # noqa: BLE001 -- headers are sent: the error goes in the stream
+        yield stream_error(state, exc)
+    else:
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        last = closing_chunk(chunk, usage(prompt_tokens, completion_tokens) if include_usage else None,
+                             request_timings(finals) if request.return_timings else None)
+        if last is not None:
+            yield last
+    yield sse("[DONE]")
 
 
 def stream_error(state: ServerState, exc: BaseException) -> str:
