@@ -130,11 +130,6 @@ class SamplingParams:
         return self._explicit
 
     @property
-    def uses_penalties(self) -> bool:
-        """Sampling depends on the ids generated so far (not just their count)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -140,3 +140,17 @@ def test_off_by_default_on_the_cpu_and_logged(checkpoint, caplog):
 def test_a_bad_value_names_the_field(checkpoint):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(checkpoint, dtype="float32", kv_cache_space=0.05, async_scheduling="yes")
+
+
+def test_penalties_read_every_id_before_the_next_step(checkpoint):
+    """Penalties count the ids generated so far: while such a request is in
+    flight no step is scheduled ahead of its samples (no pending inputs)."""
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=10, frequency_penalty=1.5, repetition_penalty=2.0,
+                            ignore_eos=True)
+    want = LLM(checkpoint, dtype="float32", kv_cache_space=0.05, async_scheduling=False).generate(
+        PROMPTS[:3], params, use_tqdm=False)
+    overlapped = LLM(checkpoint, dtype="float32", kv_cache_space=0.05, async_scheduling=True)
+    pending = count_pending_inputs(overlapped)
+    got = overlapped.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(pending) >= 10 and sum(pending) == 0

@@ -56,6 +56,7 @@ class _LaunchedStep:
     scheduled: SchedulerOutput
     requests: list[Request]  # the ones that sample, in their rows' order
     samples: DeviceSamplerOutput | None
+    uses_penalties: bool  # the next step needs these samples' ids on the host
     prompt_logits: list[tuple[RequestState, int, torch.Tensor]]  # (request, first position, logits)
 
 
@@ -218,7 +219,7 @@ class LLMEngine:
         or with async scheduling the previous step's."""
         outputs = self._expire_deadlines()
         in_flight = self._in_flight
-        if in_flight is not None and any(r.sampling_params.uses_penalties for r in in_flight.requests):
+        if in_flight is not None and in_flight.uses_penalties:
             self._in_flight = None
             outputs += self._finish_step(in_flight)
         scheduled = self.scheduler.schedule()
@@ -271,6 +272,7 @@ class LLMEngine:
             scheduled,
             requests,
             samples,
+            metadata is not None and metadata.uses_penalties,
             [(self.parents[child_id], first, chunk) for child_id, (first, chunk) in prompt_logits.items()],
         )
 

@@ -96,12 +96,12 @@ class InputBuffers:
         self._copied = torch.cuda.Event() if on_gpu else None
 
     def prepare(
-        self, scheduled: SchedulerOutput, pad_to: int | None = None, previous_sample_rows: dict[str, int] | None = None
+        self, scheduled: SchedulerOutput, pad_to: int | None = None, previous: SchedulerOutput | None = None
     ) -> ModelInputs:
         """Fills the buffers for one step; with pad_to (a decode step only),
-        appends padding rows up to that batch size. previous_sample_rows: the
-        previous step's sampling requests -> their rows in its sampled ids
-        (needed when a request's last token is pending)."""
+        appends padding rows up to that batch size. previous: the step whose
+        sampled ids fill pending tokens (needed when a request's last token
+        is pending); its sampling requests' order gives their rows."""
         items = scheduled.scheduled
         num_reqs = len(items)
         q_lens = np.fromiter((len(item.token_ids) for item in items), np.int64, num_reqs)
@@ -143,9 +143,11 @@ class InputBuffers:
         self.logits_indices.np[:num_sampling] = query_start_loc[1 : num_reqs + 1][sampling] - 1
         pending = [i for i, item in enumerate(items) if item.last_token_pending]
         if pending:
-            if previous_sample_rows is None or any(items[i].request_id not in previous_sample_rows for i in pending):
+            sampling = (item.request_id for item in previous.scheduled if item.sample) if previous is not None else ()
+            rows = {request_id: row for row, request_id in enumerate(sampling)}
+            if any(items[i].request_id not in rows for i in pending):
                 raise RuntimeError("a pending token that the previous step did not sample")
-            self.pending_src.np[: len(pending)] = [previous_sample_rows[items[i].request_id] for i in pending]
+            self.pending_src.np[: len(pending)] = [rows[items[i].request_id] for i in pending]
             self.pending_dst.np[: len(pending)] = query_start_loc[1 : num_reqs + 1][pending] - 1
         max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
         max_query_len = int(q_lens.max()) if num_reqs else 0

@@ -45,7 +45,7 @@ class ModelRunner(abc.ABC):
         # other runs the padded inputs eagerly. Empty: no padding.
         self.cudagraph_batch_sizes: list[int] = []
         self.graph_runner = None  # a CUDAGraphRunner (GPU runner, unless enforce_eager)
-        self._previous_sample_rows: dict[str, int] = {}  # the last step's sampling requests -> logits rows
+        self._previous_step: SchedulerOutput | None = None  # the last step executed: its logits rows
         with self.startup_phase("weights") as details:
             self.model = self.load_model()
             weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -157,10 +157,9 @@ class ModelRunner(abc.ABC):
         Both stay on the runner's device; nothing here waits for the GPU.
         previous_sampled: the token ids sampled from the previous execute's
         logits (on the device), where a request's last token is pending."""
-        rows = self._previous_sample_rows if previous_sampled is not None else None
-        inputs = self.input_buffers.prepare(scheduled, self.padded_batch_size(scheduled), rows)
-        sampling = (item.request_id for item in scheduled.scheduled if item.sample)
-        self._previous_sample_rows = {request_id: row for row, request_id in enumerate(sampling)}
+        previous = self._previous_step if previous_sampled is not None else None
+        inputs = self.input_buffers.prepare(scheduled, self.padded_batch_size(scheduled), previous)
+        self._previous_step = scheduled
         if inputs.pending_src.numel():
             # Queued behind the previous step on the device: no wait here.
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous_sampled.index_select(0, inputs.pending_src))

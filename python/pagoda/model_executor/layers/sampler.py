@@ -73,6 +73,11 @@ class SamplingMetadata:
     num_logprobs: list[int | None] | None = None  # per row; None when no row asks
 
     @property
+    def uses_penalties(self) -> bool:
+        """A row's sampling depends on the ids generated so far (not just their count)."""
+        return self.presence_penalties is not None or self.repetition_penalties is not None
+
+    @property
     def max_num_logprobs(self) -> int | None:
         if self.num_logprobs is None:
             return None
@@ -303,7 +308,7 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     """repetition_penalty (HF/CTRL: over prompt and output tokens, positive
     logits divided, negative multiplied); frequency and presence penalties
     (OpenAI: over output tokens, subtract count * f and [count > 0] * p)."""
-    if md.repetition_penalties is None and md.presence_penalties is None:
+    if not md.uses_penalties:
         return
     n, vocab = logits.shape
     out_counts = _token_counts(md.output_token_ids, vocab, logits.device)
