@@ -23,8 +23,8 @@ def bench(pagoda_cli, url, tmp_path, *argv):
 @pytest.mark.parametrize("load", [["--request-rate", "inf", "--max-concurrency", "2"],
                                   ["--request-rate", "40", "--burstiness", "0.5"]])
 def test_metrics_are_consistent(pagoda_cli, server_url, tiny_model, tmp_path, load):
-    result, stdout = bench(pagoda_cli, server_url, tmp_path, "--num-prompts", "6", "--input-len", "10",
-                           "--output-len", "5", "--random-range-ratio", "0.4", "--seed", "3",
+    result, stdout = bench(pagoda_cli, server_url, tmp_path, "--tokenizer", tiny_model, "--num-prompts", "6",
+                           "--input-len", "10", "--output-len", "5", "--random-range-ratio", "0.4", "--seed", "3",
                            "--metric-percentiles", "50,90,99", *load)
     # The workload the benchmark drew, from the same seed and vocabulary.
     config = ModelConfig(tiny_model).hf_config
@@ -51,12 +51,13 @@ def test_metrics_are_consistent(pagoda_cli, server_url, tiny_model, tmp_path, lo
         assert line in stdout
 
 
-def test_errors_are_clear(pagoda_cli, server_url, tmp_path):
-    code, _, stderr = pagoda_cli("bench", "serve", "--base-url", server_url, "--model", "nope", "--num-prompts", "2",
-                                 "--input-len", "4", "--output-len", "2", "--disable-tqdm")
+def test_errors_are_clear(pagoda_cli, server_url, tiny_model, tmp_path):
+    code, _, stderr = pagoda_cli("bench", "serve", "--base-url", server_url, "--tokenizer", tiny_model, "--model",
+                                 "nope", "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                                 "--disable-tqdm")
     assert code == 2 and "initial test request" in stderr and "404" in stderr
-    code, _, stderr = pagoda_cli("bench", "serve", "--base-url", server_url, "--num-prompts", "1", "--input-len",
-                                 "200", "--output-len", "2", "--disable-tqdm")
+    code, _, stderr = pagoda_cli("bench", "serve", "--base-url", server_url, "--tokenizer", tiny_model,
+                                 "--num-prompts", "1", "--input-len", "200", "--output-len", "2", "--disable-tqdm")
     assert code == 2 and "initial test request" in stderr and "maximum context length" in stderr
     code, _, stderr = pagoda_cli("bench", "serve", "--base-url", server_url, "--percentile-metrics", "ttft,foo")
     assert code == 2 and "--percentile-metrics" in stderr

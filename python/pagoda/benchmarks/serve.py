@@ -26,7 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from pagoda.benchmarks.datasets import RandomDataset, add_dataset_args, get_dataset_spec, special_token_ids
+from pagoda.benchmarks.datasets import (RandomDataset, SampleRequest, add_dataset_args, get_dataset_spec,
+                                       special_token_ids)
 from pagoda.entrypoints.cli_args import positive_float, positive_int
 
 METRICS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
@@ -35,7 +36,13 @@ METRICS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per O
 
 @dataclass
 class RequestFuncOutput:
-    """One request's result (vLLM's name and fields; times in seconds)."""
+    """One request's result (vLLM's name and fields; times in seconds), plus
+    how it ended: its HTTP status (None: no response), the finish_reason of
+    its last choice chunk, whether the client left on purpose
+    (disconnected), and for a failure, error_kind: "http" (a status other
+    than 200), "transport" (no response, or the connection broke), "event"
+    (an error event in the stream) or "malformed" (the stream broke the
+    protocol: bad JSON, or no finish_reason, usage or [DONE])."""
 
     success: bool = False
     generated_text: str = ""
@@ -45,57 +52,96 @@ class RequestFuncOutput:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    error_kind: str = ""
+    status: int | None = None
+    finish_reason: str | None = None
+    disconnected: bool = False
+
+    def fail(self, kind: str, error: str) -> RequestFuncOutput:
+        self.error_kind, self.error = kind, error
+        return self
 
 
-async def async_request_openai_completions(client, url: str, payload: dict, headers: dict) -> RequestFuncOutput:
-    """Sends one streaming completion and times its chunks. A failure (HTTP
-    error, error event, no chunk, no usage) is reported, never raised."""
+async def async_request_openai_completions(client, url: str, payload: dict, headers: dict,
+                                           disconnect_after: int | None = None) -> RequestFuncOutput:
+    """Sends one streaming completion and times its chunks. A failure is
+    reported (error, error_kind), never raised. disconnect_after: close the
+    connection after that many chunks with choices, as a client that goes
+    away mid-stream would (output.disconnected says whether it did)."""
     import httpx
 
     output = RequestFuncOutput()
     started = most_recent = time.perf_counter()
-    first_chunk = False
+    chunks, usage, done = 0, None, False
     try:
         async with client.stream("POST", url, json=payload, headers=headers) as response:
+            output.status = response.status_code
             if response.status_code != 200:
-                output.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
-                return output
+                text = (await response.aread()).decode(errors="replace")[:500]
+                return output.fail("http", f"HTTP {response.status_code}: {text}")
             async for line in response.aiter_lines():
                 line = line.strip()
                 if not line.startswith("data:"):
                     continue  # blank separators, SSE comments
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    output.error = f"error event: {chunk['error']}"
-                    return output
+                    return output.fail("event", f"error event: {chunk['error']}")
                 if chunk.get("choices"):
                     # A chunk may carry no text (a token held back, e.g. part
                     # of a character); it still marks a token's arrival.
                     timestamp = time.perf_counter()
-                    if not first_chunk:
-                        first_chunk = True
+                    if not chunks:
                         output.ttft = timestamp - started
                     else:
                         output.itl.append(timestamp - most_recent)
                     most_recent = timestamp
-                    output.generated_text += chunk["choices"][0].get("text") or ""
+                    chunks += 1
+                    choice = chunk["choices"][0]
+                    output.generated_text += choice.get("text") or ""
+                    output.finish_reason = choice.get("finish_reason") or output.finish_reason
+                    if chunks == disconnect_after and output.finish_reason is None:
+                        output.disconnected = True
+                        return output
                 elif chunk.get("usage"):
-                    output.prompt_len = chunk["usage"].get("prompt_tokens") or 0
-                    output.output_tokens = chunk["usage"].get("completion_tokens") or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        output.error = f"{type(exc).__name__}: {exc}"
-        return output
-    if not first_chunk:
-        output.error = "never received a chunk with choices to time the first token"
-    elif not output.output_tokens:
-        output.error = "the stream carried no usage: the server must support stream_options.include_usage"
-    else:
-        output.success = True
-        output.latency = most_recent - started
+                    usage = chunk["usage"]
+                    output.prompt_len = usage.get("prompt_tokens") or 0
+                    output.output_tokens = usage.get("completion_tokens") or 0
+    except httpx.HTTPError as exc:
+        return output.fail("transport", f"{type(exc).__name__}: {exc}")
+    except json.JSONDecodeError as exc:
+        return output.fail("malformed", f"a chunk is not JSON: {exc}")
+    if not chunks:
+        return output.fail("malformed", "never received a chunk with choices to time the first token")
+    if output.finish_reason is None:
+        return output.fail("malformed", "no chunk carried a finish_reason")
+    if usage is None:
+        return output.fail("malformed", "the stream carried no usage: the server must support "
+                                        "stream_options.include_usage")
+    if not done:
+        return output.fail("malformed", "the stream ended without data: [DONE]")
+    output.success = True
+    output.latency = most_recent - started
     return output
+
+
+def completion_payload(model: str, request: SampleRequest, temperature: float, ignore_eos: bool, **extra) -> dict:
+    """The streamed /v1/completions body of a workload request (extra: more
+    request fields)."""
+    return dict(model=model, prompt=request.prompt_token_ids, max_tokens=request.expected_output_len,
+                temperature=temperature, stream=True, stream_options=dict(include_usage=True),
+                ignore_eos=ignore_eos, **extra)
+
+
+async def check_first_request(client, url: str, payload: dict, headers: dict) -> None:
+    """vLLM's initial test run: one request, not timed, to fail fast on a
+    wrong URL, model name or length."""
+    test = await async_request_openai_completions(client, url, payload, headers)
+    if not test.success:
+        raise ValueError(f"the initial test request to {url} failed; check the benchmark's flags: {test.error}")
 
 
 async def get_request(requests: list, request_rate: float, burstiness: float, rng: random.Random):
@@ -177,19 +223,13 @@ async def benchmark(base_url: str, endpoint: str, model: str, requests: list, re
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def payload(request) -> dict:
-        return dict(model=model, prompt=request.prompt_token_ids, max_tokens=request.expected_output_len,
-                    temperature=temperature, stream=True, stream_options=dict(include_usage=True),
-                    ignore_eos=ignore_eos)
+        return completion_payload(model, request, temperature, ignore_eos)
 
     # timeout_s bounds each wait (connect, or the gap between two chunks),
     # not a whole stream: a stalled server fails the request, a long one runs.
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s),
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
-        # vLLM's initial test run: one request, not timed, to fail fast on a
-        # wrong URL, model name or length.
-        test = await async_request_openai_completions(client, url, payload(requests[0]), headers)
-        if not test.success:
-            raise ValueError(f"the initial test request to {url} failed; check the benchmark's flags: {test.error}")
+        await check_first_request(client, url, payload(requests[0]), headers)
 
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), desc="requests", dynamic_ncols=True, disable=not use_tqdm)
@@ -213,8 +253,8 @@ async def benchmark(base_url: str, endpoint: str, model: str, requests: list, re
     return list(outputs), duration
 
 
-def _served_model(client_url: str, api_key: str | None) -> tuple[str, str | None]:
-    """(first served model name, its root path) from GET /v1/models."""
+def _served_model(client_url: str, api_key: str | None) -> dict:
+    """The first model card of GET /v1/models (id, root, max_model_len)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -224,7 +264,7 @@ def _served_model(client_url: str, api_key: str | None) -> tuple[str, str | None
         card = response.json()["data"][0]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"could not list the models of {client_url} (GET /v1/models): {exc}") from None
-    return card["id"], card.get("root")
+    return card
 
 
 def _vocabulary(candidates: list[str | None]) -> tuple[int, set[int], str]:
@@ -240,12 +280,44 @@ def _vocabulary(candidates: list[str | None]) -> tuple[int, set[int], str]:
                      "folder or .gguf file")
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class Server:
+    """A running server as a benchmark drives it: its URL, the model name
+    requests use, that model's vocabulary (for random prompts) and context
+    length (None when the server does not say)."""
+
+    url: str
+    model: str
+    vocab_size: int
+    special_ids: frozenset[int]
+    vocab_source: str
+    api_key: str | None
+    max_model_len: int | None
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def server_url(args: argparse.Namespace) -> str:
+    """The URL add_server_args' flags name."""
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+
+
+def find_server(args: argparse.Namespace, url: str) -> Server:
+    """The server at url, its model (--model or its first) and vocabulary."""
+    card = _served_model(url, args.api_key)
+    vocab, special, vocab_source = _vocabulary([args.tokenizer, args.model, card.get("root")])
+    return Server(url, args.model or card["id"], vocab, frozenset(special), vocab_source, args.api_key,
+                  card.get("max_model_len"))
+
+
+def add_server_args(parser: argparse.ArgumentParser):
+    """Flags that find a running server and its model; returns their group."""
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: from --host/--port)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=positive_int, default=8000)
-    server.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
     server.add_argument("--model", default=None, help="served model name (default: the server's first)")
     server.add_argument("--tokenizer", default=None,
                         help="the served model's folder or .gguf, for its vocabulary (default: --model, or the "
@@ -253,6 +325,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="also OPENAI_API_KEY")
     server.add_argument("--request-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for a connection or for the next chunk")
+    return server
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser).add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
     add_dataset_args(parser)
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=positive_float, default=float("inf"),
@@ -291,11 +368,9 @@ def main(args: argparse.Namespace) -> dict:
     if any(not 0 < p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must be in (0, 100], got {args.metric_percentiles!r}")
     spec = get_dataset_spec(args)
-    base_url = args.base_url or f"http://{args.host}:{args.port}"
-    served_name, root = _served_model(base_url, args.api_key)
-    model = args.model or served_name
-    vocab, special, vocab_source = _vocabulary([args.tokenizer, args.model, root])
-    requests = RandomDataset(vocab, args.seed, special).sample(spec)
+    server = find_server(args, server_url(args))
+    base_url, model = server.url, server.model
+    requests = RandomDataset(server.vocab_size, args.seed, server.special_ids).sample(spec)
     ignore_eos = args.ignore_eos or spec.ignore_eos
     print(f"bench serve: {base_url}{args.endpoint} model {model}; {spec.describe()}; request rate "
           f"{args.request_rate}, max concurrency {args.max_concurrency}, ignore_eos {ignore_eos}")
@@ -310,7 +385,7 @@ def main(args: argparse.Namespace) -> dict:
         print(f"first error of {len(errors)}: {errors[0]}")
     result = dict(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"), backend="openai", endpoint=args.endpoint, model_id=model,
-        tokenizer_id=vocab_source, dataset=asdict(spec), num_prompts=len(requests),
+        tokenizer_id=server.vocab_source, dataset=asdict(spec), num_prompts=len(requests),
         request_rate=args.request_rate if args.request_rate != float("inf") else "inf", burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=ignore_eos, **metrics,
         input_lens=[o.prompt_len for o in outputs], output_lens=[o.output_tokens for o in outputs],
