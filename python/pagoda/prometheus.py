@@ -7,13 +7,15 @@ Two sources, so every number is current:
     request's first token, and at its finish the finish reason, latencies and
     token counts;
   - a collector read at scrape time: running/waiting requests, KV cache
-    usage, prefix-cache queries/hits, preemptions (so an idle engine shows 0,
-    not what its last step saw).
+    usage and blocks, prefix-cache queries/hits, preemptions, the process's
+    resident memory (so an idle engine shows 0, not what its last step saw).
 Each PrometheusStatLogger has its own CollectorRegistry: several servers in
 one process (tests) do not clash.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -151,6 +153,14 @@ class _EngineStateCollector(Collector):
                      scheduler.num_waiting)
         yield family(GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
                      kv.usage())
+        # Exact counts beside the fraction: an idle engine must hold 0 blocks
+        # (a leak shows as used blocks with nothing running). Blocks kept
+        # only by the prefix cache are free: any allocation may reuse them.
+        yield family(GaugeMetricFamily, "pagoda:kv_cache_total_blocks", "KV cache blocks in the pool.",
+                     kv.pool.num_blocks)
+        yield family(GaugeMetricFamily, "pagoda:kv_cache_used_blocks",
+                     "KV cache blocks held by requests (prefix-cached blocks nobody holds count as free).",
+                     kv.pool.num_blocks - kv.num_free_blocks)
         stats = kv.prefix_cache_stats
         yield family(CounterMetricFamily, "pagoda:prefix_cache_queries",
                      "Prompt tokens looked up in the prefix cache.", stats.queries)
@@ -158,3 +168,19 @@ class _EngineStateCollector(Collector):
                      "Prompt tokens served from the prefix cache.", stats.hits)
         yield family(CounterMetricFamily, "pagoda:num_preemptions", "Preemptions (recomputation) so far.",
                      scheduler.num_preemptions)
+        rss = resident_memory_bytes()
+        if rss is not None:
+            yield family(GaugeMetricFamily, "pagoda:process_resident_memory_bytes",
+                         "Resident memory of the server process (growth under load is a leak).", rss)
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident set size from /proc (None where there is no
+    /proc): what prometheus_client's process collector reports as
+    process_resident_memory_bytes, here under the pagoda: prefix every
+    metric of this registry has."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
