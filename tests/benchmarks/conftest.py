@@ -38,9 +38,9 @@ def pagoda_cli(capsys):
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_model):
-    """The OpenAI server serving the tiny model as "tiny" until the module's
-    tests are done."""
+def server(tiny_model):
+    """The OpenAI server (a RunningServer) serving the tiny model as "tiny"
+    until the module's tests are done."""
     from running_server import RunningServer
 
     from pagoda.engine.async_llm import AsyncLLM
@@ -48,5 +48,10 @@ def server_url(tiny_model):
     engine = AsyncLLM(tiny_model, disable_log_stats=True, skip_tokenizer_init=True, dtype="float32",
                       kv_cache_space=0.05, max_num_seqs=4)
     running = RunningServer(engine, "tiny")
-    yield running.url
+    yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def server_url(server):
+    return server.url
