@@ -29,7 +29,7 @@ def test_text_prompt_without_tokenizer(pagoda_cli, tiny_model):
     assert code == 2 and "chat needs a tokenizer" in stderr
 
 
-@pytest.mark.parametrize("argv, message", [(["--temperature", "-1", "hi"], "temperature must be non-negative"),
+@pytest.mark.parametrize("argv, message", [(["--temperature", "-1", "hi"], "temperature must be"),
                                            (["--system", "be brief", "hi"], "--system needs --chat"),
                                            (["--max-tokens", "0", "hi"], "--max-tokens"),
                                            ([], "prompt")])
