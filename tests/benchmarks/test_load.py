@@ -6,6 +6,7 @@ classified, what fails a run, and that only loopback URLs are driven."""
 
 import asyncio
 import json
+import threading
 from collections import Counter
 
 import httpx
@@ -55,6 +56,29 @@ def test_blocks_held_without_a_request_fail_the_run(pagoda_cli, server, tiny_mod
     assert code == 1, output
     assert report["kv_blocks_leaked"] == 2 and not report["passed"] and report["failed"] == 0
     assert "FAILED: 2 KV blocks leaked" in output
+
+
+def test_a_server_that_goes_away_ends_the_run(pagoda_cli, tiny_model, tmp_path):
+    from running_server import RunningServer
+
+    from pagoda.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(tiny_model, disable_log_stats=True, skip_tokenizer_init=True, dtype="float32",
+                      kv_cache_space=0.05, max_num_seqs=4)
+    doomed = RunningServer(engine, "tiny")
+    leave = threading.Timer(2.0, setattr, (doomed.server, "should_exit", True))  # uvicorn stops listening
+    leave.start()
+    try:
+        code, report, output = load(pagoda_cli, doomed, tiny_model, tmp_path, "--clients", 4, "--duration", 60,
+                                    "--input-len", 8, "--output-len", 8)
+    finally:
+        leave.join()
+        doomed.stop()
+    assert code == 1, output
+    # The clients stopped at the first request nobody answered, not after --duration.
+    assert report["lost"] >= 1 and report["failures"].keys() == {"transport error"}
+    assert report["elapsed_s"] < 30
+    assert report["problems"][0].startswith("GET /metrics failed after the run") and report["kv_blocks_leaked"] is None
 
 
 def gauges(server) -> dict:

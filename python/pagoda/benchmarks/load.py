@@ -3,15 +3,15 @@ server on this machine, for a bounded time, then the server's state once
 idle. It answers "does the server survive this, and lose nothing?".
 
 --clients (200) clients each stream one /v1/completions request after
-another until --duration seconds have passed, then finish the request in
-hand. Prompts are token ids from the dataset flags; with the random
-dataset, unless given, --random-range-ratio is 0.9 (mixed lengths) and
---num-prompts 1000 (requests drawn in turn). Each
-request, drawn at random, either runs normally, leaves mid-stream at a
-random chunk (--disconnect-fraction), carries a server deadline
-timeout_seconds (--timeout-fraction), or gives up on its own after a
-client-side timeout (--client-timeout-fraction); both deadlines are drawn
-from --timeout-range.
+another until --duration seconds have passed (or a request got no response
+at all: the server is gone), then finish the request in hand. Prompts are
+token ids from the dataset flags; with the random dataset, unless given,
+--random-range-ratio is 0.9 (mixed lengths) and --num-prompts 1000
+(requests drawn in turn). Each request, drawn at random, either runs
+normally, leaves mid-stream at a random chunk (--disconnect-fraction),
+carries a server deadline timeout_seconds (--timeout-fraction), or gives up
+on its own after a client-side timeout (--client-timeout-fraction); both
+deadlines are drawn from --timeout-range.
 
 After the run it waits (at most --settle-timeout) for the server to go
 idle and reads its /metrics: KV blocks still held by requests (leaked: must
@@ -177,10 +177,11 @@ async def run_load(server: Server, requests: list[SampleRequest], args: argparse
         await check_first_request(client, url, payload(Plan(requests[0])), server.headers)  # also warms up
         before, _ = await settle(client, server.url, args.settle_timeout, server.headers)
         stop_at = time.monotonic() + args.duration
+        gone = asyncio.Event()  # a request got no response at all: more would only repeat that
 
         async def run_client(index: int) -> None:
             rng = random.Random(f"{args.seed}:{index}")
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at and not gone.is_set():
                 plan = draw_plan(rng, next(pool), args)
                 send = async_request_openai_completions(client, url, payload(plan), server.headers,
                                                         plan.disconnect_after)
@@ -193,6 +194,8 @@ async def run_load(server: Server, requests: list[SampleRequest], args: argparse
                     except TimeoutError:
                         output, timed_out = RequestFuncOutput(), True
                 records.append(Record(plan.kind, outcome(output, timed_out), output))
+                if output.error_kind == "transport" and output.status is None:
+                    gone.set()
 
         async def sample() -> None:
             while True:
@@ -275,8 +278,9 @@ def print_report(report: dict) -> None:
     line("Failed:", f"{report['failed']} {report['failures']}")
     line("Lost (no complete answer):", report["lost"])
     line("Server errors (5xx, error events):", report["server_errors"])
-    line("KV blocks leaked once idle:", f"{report['kv_blocks_leaked']} of {report['kv_cache_total_blocks']} "
-                                        f"(waited {report['settle_s']:.1f} s for idle)")
+    if report["kv_blocks_leaked"] is not None:
+        line("KV blocks leaked once idle:", f"{report['kv_blocks_leaked']} of {report['kv_cache_total_blocks']} "
+                                            f"(waited {report['settle_s']:.1f} s for idle)")
     line("Peak KV blocks used / running / waiting:", f"{report['peak_kv_blocks_used']} / "
                                                      f"{report['peak_requests_running']} / "
                                                      f"{report['peak_requests_waiting']}")
