@@ -22,13 +22,13 @@ class RunningServer:
     def __init__(self, engine, model, api_key=None, **app_kwargs):
         import uvicorn
 
-        from pagoda.entrypoints.openai.api_server import build_app
+        from pagoda.entrypoints.openai.api_server import build_app, server_config
 
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = build_app(engine, model, api_key=api_key, **app_kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(self.app, "127.0.0.1", self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -1,8 +1,14 @@
-"""Every error path with raw httpx: OpenAI error objects with the right
-status, never a stack trace, and the server keeps serving afterwards."""
+"""Every error path with raw httpx (raw sockets where httpx would not send
+it): OpenAI error objects with the right status, never a stack trace or a
+5xx, and the server keeps serving afterwards."""
+
+import json
+import socket
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import MAX_MODEL_LEN, MODEL, RunningServer, assert_error, post
 
@@ -21,6 +27,9 @@ def test_bad_json_and_bad_fields(server):
                  param="max_tokens")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}), 400,
                  says="temperature")
+    # Values of another JSON type are refused, not coerced.
+    for field, value in (("n", "2"), ("stream", 0), ("max_tokens", 2.0), ("temperature", "0.5")):
+        assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", field: value}), 400, param=field)
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}), 400, says="top_p")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [5, 100000]}), 400,
                  says="outside the vocabulary")
@@ -28,6 +37,109 @@ def test_bad_json_and_bad_fields(server):
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
                  400)
     still_serving(server)
+
+
+def test_deeply_nested_json(server):
+    from pagoda.entrypoints.openai.api_server import MAX_JSON_DEPTH
+
+    for depth in (MAX_JSON_DEPTH, 100_000):  # the second is past the interpreter's recursion limit
+        body = '{"model": "%s", "prompt": "hi", "user": %s}' % (MODEL, "[" * depth + "]" * depth)
+        assert_error(post(server, "/v1/completions", content=body.encode()), 400, says="nested more than")
+    # Brackets inside strings are text, not nesting.
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5], "user": "[{" * 100 + '\\"]', "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    still_serving(server)
+
+
+def json_values(leaf=st.one_of(st.integers(), st.text(alphabet='[]{}"\\ a'), st.none())):
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.text(alphabet='[]{}"\\ k', max_size=3), inner, max_size=3), max_leaves=40)
+
+
+def depth(value) -> int:
+    if isinstance(value, (list, dict)):
+        return 1 + max(map(depth, value.values() if isinstance(value, dict) else value), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values(), st.integers(min_value=0, max_value=8))
+def test_nested_deeper_counts_brackets_outside_strings(value, limit):
+    from pagoda.entrypoints.openai.api_server import nested_deeper
+
+    assert nested_deeper(json.dumps(value).encode(), limit) == (depth(value) > limit)
+
+
+def test_content_type(server):
+    body = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        assert_error(post(server, "/v1/completions", content=body, headers={"content-type": content_type}), 415,
+                     code="unsupported_media_type", says=content_type.split(";")[0])
+    assert_error(post(server, "/tokenize", content=b"{}", headers={"content-type": "text/plain"}), 415)
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", None):  # None: no header at all
+        headers = {"content-type": content_type} if content_type else {}
+        r = post(server, "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200, (content_type, r.text)
+
+
+def raw_request(server, head: bytes, chunks=()) -> tuple[bytes, dict]:
+    """Sends `head` and `chunks` on a fresh connection; returns the answer's
+    status line and its JSON body (within 20 s)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(head)
+        for chunk in chunks:
+            sock.sendall(chunk)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        status, _, rest = answer.partition(b"\r\n")
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        length = int(dict(line.lower().split(b": ", 1) for line in headers.split(b"\r\n"))[b"content-length"])
+        while len(body) < length:
+            body += sock.recv(65536)
+    return status, json.loads(body)
+
+
+def test_chunked_body_is_bounded_while_it_streams_in(server):
+    """A chunked body has no Content-Length: it is counted as it arrives and
+    refused once past the bound -- here its end never comes."""
+    from pagoda.entrypoints.openai.api_server import MAX_BODY_BYTES
+
+    piece = 1 << 20
+    chunk = b"%x\r\n" % piece + b" " * piece + b"\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    status, body = raw_request(server, head, [chunk] * (MAX_BODY_BYTES // piece + 1))
+    assert status.startswith(b"HTTP/1.1 413")
+    assert body["error"]["message"] == f"request body over {MAX_BODY_BYTES} bytes"
+    still_serving(server)
+
+
+def test_huge_headers(server):
+    r = httpx.get(server.url + "/v1/models", headers={"x-padding": "a" * (1 << 20)})
+    assert_error(r, 400, says="headers are too large")
+    status, body = raw_request(server, b"GARBAGE\x00 / HTTP/1.1\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400") and body["error"]["type"] == "invalid_request_error"
+    still_serving(server)
+
+
+def test_prompts_per_request(server):
+    from pagoda.entrypoints.openai.protocol import MAX_PROMPTS
+
+    body = {"model": MODEL, "max_tokens": 1}
+    assert_error(post(server, "/v1/completions", dict(body, prompt=["hi"] * (MAX_PROMPTS + 1))), 400, param="prompt",
+                 says=f"at most {MAX_PROMPTS}")
+    assert_error(post(server, "/v1/completions", dict(body, prompt=[[5]] * (MAX_PROMPTS + 1))), 400, param="prompt")
+    r = post(server, "/v1/completions", dict(body, prompt=[[5]] * MAX_PROMPTS))
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_PROMPTS, r.text
+
+
+def test_priority_needs_the_priority_policy(server):
+    for path, base in (("/v1/completions", {"prompt": [5]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        assert_error(post(server, path, dict(base, model=MODEL, max_tokens=1, priority=-1)), 400, param="priority",
+                     says="--scheduling-policy priority")
+        assert post(server, path, dict(base, model=MODEL, max_tokens=1, priority=0)).status_code == 200
 
 
 @pytest.mark.parametrize("path, extra, says", [

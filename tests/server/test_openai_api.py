@@ -17,6 +17,8 @@ def test_models_health_version(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == MAX_MODEL_LEN
+    # Named as served: no file system path of the server's.
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["root"] == MODEL
     assert httpx.get(server.url + "/health").status_code == 200
     assert "version" in httpx.get(server.url + "/version").json()
 

@@ -1,6 +1,7 @@
 """The server as its own process (`python -m pagoda.entrypoints.openai.api_server`):
 SIGTERM lets in-flight requests finish -- running and queued -- then exits 0;
-a bad flag exits with one line, no traceback."""
+an engine that dies makes it exit 1; a bad flag exits with one line, no
+traceback."""
 
 import os
 import signal
@@ -23,9 +24,13 @@ def environment() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [here, os.environ.get("PYTHONPATH")] if p))
 
 
-def start(model_folder, *flags):
+SERVER = ("-m", "pagoda.entrypoints.openai.api_server")
+
+
+def start(model_folder, *flags, server=SERVER):
+    """server: how python runs it (default: the module)."""
     port = free_port()
-    command = [sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--model", model_folder,
+    command = [sys.executable, *server, "--model", model_folder,
                "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32", "--kv-cache-space", "0.05",
                "--disable-log-stats", *flags]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())
@@ -122,6 +127,47 @@ def test_drain_is_bounded(model_folder):
     assert "Traceback" not in stderr and "incomplete" not in stderr, stderr
 
 
+# The real server whose model runner fails on its first step, as a device
+# fault would: no request can be blamed, so the engine dies.
+FAILING_DEVICE = """
+import sys
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai import api_server
+
+build = AsyncLLM.from_engine_args
+
+
+def with_failing_device(args):
+    engine = build(args)
+
+    def execute(*_, **__):
+        raise RuntimeError("simulated device fault")
+
+    engine.engine.runner.execute = execute
+    return engine
+
+
+AsyncLLM.from_engine_args = with_failing_device
+api_server.main(sys.argv[1:])
+"""
+
+
+def test_dead_engine_exits_1(model_folder):
+    """The request in flight gets 503, then the server shuts down and exits
+    1, so a supervisor restarts it."""
+    proc, url = start(model_folder, server=("-c", FAILING_DEVICE))
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error", r.text
+        assert proc.wait(60) == 1
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "the engine died" in stderr and "simulated device fault" in stderr, stderr
+    assert "shut down cleanly" not in stderr
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--tensor-parallel-size", "2"], "tensor_parallel_size=2"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
@@ -145,6 +191,12 @@ def test_parser_flags():
                   "--tensor-parallel-size", "1", "--disable-uvicorn-access-log"])
     assert (args.device, args.load_format, args.enforce_eager, args.gpu_memory_utilization,
             args.tensor_parallel_size, args.disable_uvicorn_access_log) == ("cpu", "dummy", True, 0.5, 1, True)
+    assert (args.scheduling_policy, args.max_queued_requests, args.stream_send_timeout) == ("fcfs", None, 30.0)
+    args = parse(["--scheduling-policy", "priority", "--max-queued-requests", "0", "--stream-send-timeout", "2.5"])
+    assert (args.scheduling_policy, args.max_queued_requests, args.stream_send_timeout) == ("priority", 0, 2.5)
+    for bad in (["--scheduling-policy", "sjf"], ["--max-queued-requests", "-1"], ["--stream-send-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
     with pytest.raises(SystemExit):
         parse(["--allowed-origins", '["http://a", 5]'])
     with pytest.raises(SystemExit):

@@ -9,6 +9,7 @@ import json
 from dataclasses import fields
 
 from pagoda.config import LOAD_FORMATS
+from pagoda.core.request_queue import SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
 
@@ -84,6 +85,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
                             "device work (default: on for CUDA, off on the CPU)")
     group.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                       help="fcfs: arrival order; priority: lowest request priority value first, ties by arrival")
     group.add_argument("--seed", type=int, default=0)
 
 

@@ -16,7 +16,10 @@ import secrets
 import signal
 import sys
 
+import h11
+import numpy as np
 import uvicorn
+import uvicorn.protocols.http.h11_impl
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -29,7 +32,7 @@ from starlette.routing import Route
 
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli
+from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, non_negative_int, positive_float
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.openapi import Endpoint, openapi_schema
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -46,20 +49,31 @@ from pagoda.prometheus import PrometheusStatLogger
 logger = init_logger("pagoda.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a bigger body is refused (413) before it is parsed
+# Arrays and objects inside one another at most (a request needs 5); deeper
+# bodies are refused before anything walks them recursively.
+MAX_JSON_DEPTH = 32
+TOO_DEEP = f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+# h11 refuses a request line and headers still incomplete past this many
+# bytes (its default); what one socket read brings complete may be larger.
+MAX_HEADER_BYTES = 16 * 1024
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 ABORT_GRACE_S = 10.0  # after the drain's aborts, how long uvicorn waits before cutting connections
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               chat_template: str | None = None, log_requests: bool = False,
-              allowed_origins: list[str] | None = None, engine_stall_timeout: float | None = 30.0) -> Starlette:
+              allowed_origins: list[str] | None = None, engine_stall_timeout: float | None = 30.0,
+              max_queued_requests: int | None = None, stream_send_timeout: float | None = 30.0) -> Starlette:
     """allowed_origins: CORS origins (None: no CORS headers). engine_stall_timeout:
     /health fails when the engine has work but no step finished for this
-    many seconds (None: only a dead engine fails it)."""
+    many seconds (None: only a dead engine fails it). max_queued_requests:
+    generation requests get 503 while this many engine requests wait to run
+    (None: no bound). stream_send_timeout: a stream whose client has not
+    taken a chunk for this many seconds is aborted (None: never)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = PrometheusStatLogger(engine, names[0])
     engine.stat_loggers.append(metrics)
-    state = ServerState(engine, names, api_key, chat_template, metrics)
+    state = ServerState(engine, names, api_key, chat_template, metrics, max_queued_requests, stream_send_timeout)
 
     def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -71,15 +85,19 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
     async def parse(request: Request, schema):
         """The body as `schema` (a model, or a function of the JSON picking one)."""
         check_key(request)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type and media_type != "application/json":  # no Content-Type at all is taken as JSON
+            raise APIError(f"Content-Type must be application/json, got {media_type!r}", status=415,
+                           code="unsupported_media_type")
+        body = await read_body(request)
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:  # nested past the interpreter's stack, so past MAX_JSON_DEPTH too
+            raise APIError(TOO_DEEP) from None
+        if nested_deeper(body, MAX_JSON_DEPTH):
+            raise APIError(TOO_DEEP)
         if not isinstance(data, dict):
             raise APIError("the body must be a JSON object")
         if not isinstance(schema, type):
@@ -105,7 +123,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
 
     async def models(request: Request) -> Response:
         check_key(request)
-        data = [dict(id=name, object="model", created=now(), owned_by="pagoda", root=engine.model_config.model,
+        # root names the model as served, never its path on this machine.
+        data = [dict(id=name, object="model", created=now(), owned_by="pagoda", root=name,
                      max_model_len=state.max_model_len) for name in names]
         return JSONResponse(dict(object="list", data=data))
 
@@ -136,7 +155,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         logger.exception("unexpected error serving %s", request.url.path)  # the trace stays in the log
         return APIError("internal server error", status=500, type="server_error").response()
 
-    generation_errors = (400, 404, 413, 503)
+    generation_errors = (400, 404, 413, 415, 503)
     endpoints = [
         Endpoint("/v1/completions", "POST", completions, "Text completion (OpenAI)",
                  "A text_completion object, or with stream=true server-sent text_completion chunks ending in "
@@ -150,9 +169,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
                  keyed=True),
         Endpoint("/tokenize", "POST", tokenize, "A prompt, or chat messages through the chat template, to token ids",
                  "The token ids, their count and max_model_len", (TokenizeCompletionRequest, TokenizeChatRequest),
-                 (TokenizeResponse,), errors=(400, 404, 413), keyed=True),
+                 (TokenizeResponse,), errors=(400, 404, 413, 415), keyed=True),
         Endpoint("/detokenize", "POST", detokenize, "Token ids to text", "The text", (DetokenizeRequest,),
-                 (DetokenizeResponse,), errors=(400, 404, 413), keyed=True),
+                 (DetokenizeResponse,), errors=(400, 404, 413, 415), keyed=True),
         Endpoint("/health", "GET", health, "Liveness of the engine", "Healthy (empty body)", errors=(503,),
                  content_types=()),
         Endpoint("/version", "GET", version, "Pagoda's version", "{\"version\": ...}"),
@@ -170,6 +189,40 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
     app.state.pagoda = state
     return app
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused (413) as soon as it passes MAX_BODY_BYTES: by its
+    Content-Length, or counted as it streams in (a chunked body has none),
+    so no more than the limit is ever held (uvicorn discards the rest)."""
+    too_large = APIError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# +1 for an opening bracket, -1 for a closing one, 0 for every other byte.
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[list(b"[{")], _BRACKET_STEP[list(b"]}")] = 1, -1
+
+
+def nested_deeper(body: bytes, limit: int) -> bool:
+    """Whether valid JSON nests arrays and objects more than `limit` deep,
+    vectorized (no Python loop over a body of megabytes): with the escaped
+    backslashes and quotes dropped, every quote opens or closes a string,
+    and the depth is the running count of the brackets outside them."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # too few brackets to nest that deep
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    outside = np.cumsum(text == ord('"'), dtype=np.uint8) % 2 == 0  # the uint8 wrap keeps the parity
+    # json.loads parsed it, so it nests less deep than the interpreter's stack: int16 holds the count.
+    return int(np.cumsum(_BRACKET_STEP[text] * outside, dtype=np.int16).max()) > limit
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -192,6 +245,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
                         "(uvicorn's name)")
+    p.add_argument("--max-queued-requests", type=non_negative_int, default=None,
+                   help="generation requests get 503 (with Retry-After) while this many engine requests (one per "
+                        "prompt) wait to run (SGLang's name; default: no bound)")
+    p.add_argument("--stream-send-timeout", type=positive_float, default=30.0,
+                   help="a stream whose client has not read a chunk for this many seconds is aborted and its "
+                        "connection closed")
     return p
 
 
@@ -208,16 +267,50 @@ def origins(text: str) -> list[str]:
     return [o.strip() for o in text.split(",") if o.strip()]
 
 
+class H11Protocol(uvicorn.protocols.http.h11_impl.H11Protocol):
+    """uvicorn's h11 protocol, answering a request it cannot parse (malformed,
+    or headers past MAX_HEADER_BYTES) with an OpenAI error object rather
+    than plain text; the connection is closed."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(APIError(f"{msg} (malformed, or its headers are too large)").body())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body.encode()), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
+def server_config(app: Starlette, host: str, port: int, **kwargs) -> uvicorn.Config:
+    """uvicorn's config for the app: our h11 protocol (whichever HTTP parser
+    is installed), no access log (RequestLogMiddleware writes ours)."""
+    return uvicorn.Config(app, host=host, port=port, http=H11Protocol,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, access_log=False,
+                          log_level=logging.WARNING, **kwargs)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's graceful shutdown (no new connections, wait for the open
     ones), bounded our way: `drain_timeout` seconds in, the requests still
     in flight are aborted, so each ends as a well-formed response with
     finish_reason "abort" rather than a cut connection. uvicorn's own cancel
-    stays as the backstop (an engine that no longer steps)."""
+    stays as the backstop (an engine that no longer steps).
+
+    An engine that dies (a fault no request can be blamed for) shuts the
+    server down the same way (main() then exits 1, so that a supervisor
+    restarts it); until then /health and every request get 503."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float):
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop ticks every 0.1 s until should_exit.
+        if self.engine.errored and not self.should_exit:
+            logger.error("the engine died (%r): shutting down, to exit with status 1", self.engine.dead_error)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         logger.info("shutting down: in-flight requests get %.1f s to finish", self.drain_timeout)
@@ -245,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     names = args.served_model_name or [args.model or os.path.basename(model)]
     log_requests = not (args.disable_log_requests or args.disable_uvicorn_access_log)
     app = build_app(engine, names, api_key=args.api_key, chat_template=chat_template, log_requests=log_requests,
-                    allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None)
+                    allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None,
+                    max_queued_requests=args.max_queued_requests, stream_send_timeout=args.stream_send_timeout)
     core = engine.engine
     logger.info("serving %s as %s: dtype %s, max_model_len %d, KV cache %d tokens, on http://%s:%d",
                 model, names[0], str(engine.model_config.torch_dtype).removeprefix("torch."),
@@ -255,13 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     # re-raises the signal; this handler makes that a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    # Our own line per request (RequestLogMiddleware) replaces uvicorn's access log.
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level=logging.WARNING,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown + ABORT_GRACE_S)
+    config = server_config(app, args.host, args.port,
+                           timeout_graceful_shutdown=args.timeout_graceful_shutdown + ABORT_GRACE_S)
     try:
         DrainingServer(config, engine, args.timeout_graceful_shutdown).run()
+        died = engine.errored  # read before shutdown(), which stops it for good
     finally:
         engine.shutdown(timeout=ABORT_GRACE_S)
+    if died:
+        raise SystemExit(1)
     logger.info("shut down cleanly")
 
 

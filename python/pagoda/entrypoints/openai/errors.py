@@ -9,16 +9,17 @@ from starlette.responses import JSONResponse
 from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          503: "service_unavailable_error"}
 
 
 class APIError(Exception):
     """Raised anywhere in a handler; the app turns it into an error response."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
+        self.message, self.status, self.param, self.code, self.headers = message, status, param, code, headers
         self.type = type or _TYPES.get(status, "server_error")
 
     def body(self) -> dict:
@@ -26,7 +27,7 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def unsupported(feature: str, param: str | None = None) -> APIError:

@@ -15,8 +15,9 @@ from pagoda.entrypoints.openai.protocol import ErrorResponse
 _REF = "#/components/schemas/{model}"
 _ERRORS = {400: "Bad request: invalid JSON, fields or values, or an unsupported feature",
            401: "Missing or wrong API key (when the server has one)",
-           404: "Unknown model", 413: "Body too large",
-           503: "The engine died (on /health also: it has not finished a step for too long while requests are pending)"}
+           404: "Unknown model", 413: "Body too large", 415: "Content-Type is not application/json",
+           503: "The engine died, or (generation) --max-queued-requests requests wait: retry after Retry-After "
+                "seconds (on /health: it died or has not finished a step for too long while requests are pending)"}
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 vLLM's extras and its /tokenize and /detokenize; /openapi.json is built from
 them.
 
-Unknown fields are refused (extra="forbid") rather than ignored, and known
-OpenAI features Pagoda lacks (tools, structured output, best_of) are refused
-with a 400 that says so: a client must never get an answer that silently
-ignored part of its request."""
+Unknown fields are refused (extra="forbid") rather than ignored, values of
+another JSON type than the schema's are refused rather than coerced (strict:
+`"n": "2"` or `"stream": 0` is a 400), and known OpenAI features Pagoda
+lacks (tools, structured output, best_of) are refused with a 400 that says
+so: a client must never get an answer that silently ignored or reinterpreted
+part of its request."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -30,6 +32,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 # logit_bias values (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
+# Prompts in one /v1/completions request at most: each is an engine request
+# (of n sequences), so an unbounded list would let one request fill the queue.
+MAX_PROMPTS = 128
 
 # Fields shared by both endpoints that map 1:1 onto SamplingParams.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -97,9 +102,11 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, prompt):
+    def _non_empty_and_bounded(cls, prompt):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"prompt has {len(prompt)} prompts: at most {MAX_PROMPTS} per request")
         return prompt
 
     @model_validator(mode="after")

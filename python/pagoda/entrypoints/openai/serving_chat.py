@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
-                                                      fit_max_tokens, new_id, now, request_timings, run_all,
-                                                      sampling_params, sse, stream_choices, usage)
+from pagoda.entrypoints.openai.serving_engine import (EventStream, ServerState, admit, check_model, check_token_ids,
+                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
+                                                      run_all, sampling_params, sse, stream_choices, usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -39,10 +39,11 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(dict(request.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs))
     prompts = [{"prompt_token_ids": prompt_ids}]
+    admit(state, request.priority)
     request_id, created = new_id("chatcmpl"), now()
     if request.stream:
-        return StreamingResponse(_stream(state, request, request_id, created, model, prompts, params),
-                                 media_type="text/event-stream")
+        return EventStream(_stream(state, request, request_id, created, model, prompts, params),
+                           state.stream_send_timeout)
     final = None
     try:
         async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving_engine import (ServerState, check_model, check_token_ids, engine_error,
-                                                      fit_max_tokens, new_id, now, request_timings, run_all,
-                                                      sampling_params, stream_choices, usage)
+from pagoda.entrypoints.openai.serving_engine import (EventStream, ServerState, admit, check_model, check_token_ids,
+                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
+                                                      run_all, sampling_params, stream_choices, usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -28,10 +28,11 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
     params = sampling_params(dict(request.sampling_kwargs(), max_tokens=min(max_tokens), logprobs=request.logprobs))
     echo = [(p["prompt"] if p["prompt"] is not None else tokenizer.decode(p["prompt_token_ids"])) if request.echo
             else "" for p in prompts]
+    admit(state, request.priority)
     request_id, created = new_id("cmpl"), now()
     if request.stream:
         stream = _stream(state, request, request_id, created, model, prompts, params, echo)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return EventStream(stream, state.stream_send_timeout)
 
     finals = {}
     try:

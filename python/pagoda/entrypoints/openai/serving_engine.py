@@ -1,7 +1,7 @@
 """What the completion and chat handlers share: the served model, prompt
-checks, SamplingParams from a request, running several engine requests as
-one, cancelling on client disconnect, timings, and the streamed chunks
-(server-sent events)."""
+checks, SamplingParams from a request, admission (priority, queue bound),
+running several engine requests as one, cancelling on client disconnect,
+timings, and the streamed chunks (server-sent events) with their send bound."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.prometheus import PrometheusStatLogger
 from pagoda.sampling_params import SamplingParams
+
+logger = init_logger("pagoda.server")
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells clients to wait
 
 
 @dataclass
@@ -29,10 +33,20 @@ class ServerState:
     api_key: str | None = None
     chat_template: str | None = None
     metrics: PrometheusStatLogger | None = None
+    max_queued_requests: int | None = None
+    stream_send_timeout: float | None = None
 
     @property
     def max_model_len(self) -> int:
         return self.engine.model_config.max_model_len
+
+    @property
+    def num_queued_requests(self) -> int:
+        """Engine requests accepted but not running yet. Read from the engine
+        thread's state without a lock: a snapshot, which is all admission
+        needs. Each running child of an n > 1 request counts as one running
+        request, so with n > 1 this undercounts the queue (admits more)."""
+        return max(0, len(self.engine._streams) - self.engine.engine.scheduler.num_running)
 
 
 def check_model(state: ServerState, model: str | None) -> str:
@@ -77,6 +91,20 @@ def fit_max_tokens(state: ServerState, num_prompt_tokens: int, max_tokens: int |
             f"Please reduce the length of the prompt or the completion.",
             param=param, code="context_length_exceeded")
     return max_tokens if max_tokens is not None else limit - num_prompt_tokens
+
+
+def admit(state: ServerState, priority: int) -> None:
+    """Checks a valid generation request against the server: its priority
+    needs the priority scheduling policy, and while --max-queued-requests
+    engine requests wait, it is refused with 503 and Retry-After."""
+    policy = state.engine.engine.scheduler.policy
+    if priority != 0 and policy != "priority":
+        raise APIError(f"priority is only used with --scheduling-policy priority (this server schedules {policy})",
+                       param="priority")
+    limit, queued = state.max_queued_requests, state.num_queued_requests
+    if limit is not None and queued >= limit:
+        raise APIError(f"the server is busy: {queued} requests are waiting (--max-queued-requests {limit}); "
+                       f"retry later", status=503, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
@@ -212,6 +240,39 @@ def closing_chunk(chunk: dict, usage: dict | None, timings: dict | None) -> str 
     if timings is not None:
         extra["timings"] = timings
     return sse(dict(chunk, choices=[], **extra))
+
+
+class _ClientStalled(Exception):
+    """A send to the client waited past the stream's send_timeout."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events for a client that must keep reading: a chunk that
+    cannot be sent for `send_timeout` seconds (the client stopped reading
+    and the socket buffers are full, so the send waits) ends the stream. Its
+    engine requests are aborted, freeing their KV blocks, and the
+    connection is closed, so a stalled client holds no more than the
+    buffers and the time bound."""
+
+    def __init__(self, events: AsyncIterator[str], send_timeout: float | None):
+        super().__init__(events, media_type="text/event-stream")
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send) -> None:
+        async def bounded_send(message) -> None:
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        try:
+            await super().stream_response(bounded_send)
+        except _ClientStalled:
+            logger.warning("a client read nothing of its stream for %g s: its request is aborted",
+                           self.send_timeout)
+            await self.body_iterator.aclose()  # its cleanup (run_all's) aborts the engine requests
+            # Returning with the response unfinished makes uvicorn close the connection.
 
 
 def sse(payload: dict | str) -> str:
