@@ -105,6 +105,8 @@ class ModelConfig:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         self.device = resolve_device(self.device)
         self.torch_dtype = self._resolve_dtype()
+        # The model's own limit may be lowered to fit the KV cache; one the user set may not.
+        self.max_model_len_is_default = self.max_model_len is None
         self.max_model_len = self._resolve_max_model_len()
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
@@ -153,6 +155,24 @@ class ModelConfig:
         if limit is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         return self.max_model_len
+
+    def fit_to_kv_cache(self, capacity: int, memory_flag: str) -> None:
+        """One sequence of max_model_len tokens must fit in a KV cache of
+        `capacity` tokens, or a lone long request could never finish. The
+        model's default is lowered with a warning (as vLLM does); a
+        max_model_len the user asked for is a ValueError naming what helps.
+        memory_flag: the flag that grows the cache on this device."""
+        if self.max_model_len <= capacity:
+            return
+        if capacity < 2:
+            raise ValueError(f"the KV cache holds only {capacity} token(s): raise {memory_flag}")
+        if self.max_model_len_is_default:
+            logger.warning("max_model_len lowered from the model's %d to %d tokens, all the KV cache holds "
+                           "(raise %s for the full context)", self.max_model_len, capacity, memory_flag)
+            self.max_model_len = capacity
+            return
+        raise ValueError(f"max_model_len={self.max_model_len} does not fit in the KV cache, which holds {capacity} "
+                         f"tokens: pass --max-model-len {capacity} (or less), or raise {memory_flag}")
 
     @property
     def generation_config(self) -> dict:

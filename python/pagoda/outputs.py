@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 # Why a completion ended: "stop" (EOS, a stop token id or a stop string),
 # "length" (max_tokens or the model's context), "abort" (the caller),
-# "timeout" (SamplingParams.timeout_seconds passed), None while running.
-FINISH_REASONS = ("stop", "length", "abort", "timeout")
+# "timeout" (SamplingParams.timeout_seconds passed), "error" (the request
+# failed inside the engine: RequestOutput.error says why), None while running.
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
 class RequestOutputKind(enum.Enum):
@@ -92,6 +93,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = field(default=None)  # prompt tokens served from the prefix cache
+    # Why the request failed inside the engine (finished, finish_reason
+    # "error"); None for every other request. The engine served on.
+    error: str | None = None
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

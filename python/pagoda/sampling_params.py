@@ -9,6 +9,7 @@ generation_config.json without overriding what the user asked for.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, fields
 
 # Temperatures below this are greedy (as in vLLM): dividing logits by them
@@ -19,13 +20,36 @@ SAMPLING_EPS = 1e-5
 # list, minus max_new_tokens: a model's generation length is not an API default.
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+# Bounds on values that reach the sampler's tensors. Beyond them a value means
+# nothing more (every token is equally likely well before temperature 1e4), but
+# it can overflow float32/int64 on the way to the device and fail the step.
+MAX_TEMPERATURE = 1e4
+MAX_REPETITION_PENALTY = 1e4
+MAX_LOGIT_BIAS = 1e4
+MAX_INT = 2**63 - 1  # counts and lengths live in int64 tensors
+# Each of a request's n samples is a sequence in the engine: one request must
+# not be able to fill the host's memory with them.
+MAX_N = 1024
+MAX_TIMEOUT_SECONDS = 1e9
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (NaN and infinities are refused everywhere)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _as_list(value, name: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+def _is_count(x, low: int) -> bool:
+    return _is_int(x) and low <= x <= MAX_INT
 
 
 @dataclass(kw_only=True)
@@ -67,8 +91,8 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+            self.stop = _as_list(self.stop, "stop")
+        self.stop_token_ids = [] if self.stop_token_ids is None else _as_list(self.stop_token_ids, "stop_token_ids")
         if self.logit_bias is not None:
             # JSON clients send token ids as strings; keys become ints here.
             try:
@@ -88,41 +112,45 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
 
-        need(_is_int(self.n) and self.n >= 1, f"n must be at least 1, got {self.n!r}")
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(_is_number(v) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v!r}")
-        need(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
-        need(_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be non-negative, got {self.temperature!r}")
+        need(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
+        need(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(_is_int(self.top_k) and self.top_k >= 0,
+        need(_is_count(self.top_k, 0),
              f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k!r}")
         need(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         need(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
              f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         need(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
-        need(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        need(all(_is_count(t, 0) for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        need(self.max_tokens is None or _is_count(self.max_tokens, 1),
              f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        need(_is_int(self.min_tokens) and self.min_tokens >= 0,
-             f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        need(_is_count(self.min_tokens, 0), f"min_tokens must be non-negative, got {self.min_tokens!r}")
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            need(v is None or (_is_int(v) and v >= 0), f"{name} must be non-negative, got {v!r}")
+            need(v is None or _is_count(v, 0), f"{name} must be non-negative, got {v!r}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                      "include_stop_str_in_output"):
             v = getattr(self, name)
             need(isinstance(v, bool), f"{name} must be a bool, got {v!r}")
         need(self.detokenize or not self.stop, "stop strings are only supported when detokenize is True")
         if self.logit_bias is not None:
-            need(all(k >= 0 for k in self.logit_bias), f"logit_bias token ids must be non-negative, got {self.logit_bias!r}")
-        need(self.timeout_seconds is None or (_is_number(self.timeout_seconds) and self.timeout_seconds > 0),
-             f"timeout_seconds must be positive, got {self.timeout_seconds!r}")
+            need(all(0 <= k <= MAX_INT for k in self.logit_bias),
+                 f"logit_bias token ids must be non-negative, got {list(self.logit_bias)[:5]!r}")
+            need(all(_is_number(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
+                 f"logit_bias values must be finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                 f"got {list(self.logit_bias.values())[:5]!r}")
+        need(self.timeout_seconds is None
+             or (_is_number(self.timeout_seconds) and 0 < self.timeout_seconds <= MAX_TIMEOUT_SECONDS),
+             f"timeout_seconds must be in (0, {MAX_TIMEOUT_SECONDS:g}], got {self.timeout_seconds!r}")
 
     @property
     def explicit_fields(self) -> frozenset[str]:
@@ -147,10 +175,15 @@ class SamplingParams:
             self.__post_init__()
 
     def verify_vocab(self, vocab_size: int) -> None:
-        """Token ids the sampler indexes with must exist in the vocabulary."""
-        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias has token ids {bad} outside the vocabulary (size {vocab_size})")
+        """Checks the token ids the sampler indexes with against the model's
+        vocabulary, and clamps top_k to it (vLLM's rule: a top_k of the
+        vocabulary's size or more keeps every token, so it is off)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+        if self.top_k >= vocab_size:
+            self.top_k = 0
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -278,3 +278,33 @@ def test_long_prompt_is_chunked_without_stalling_decodes():
                 engine.outputs[request.request_id] = list(request.output_token_ids)
                 engine.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
     assert chunks >= 4096 // 64  # the prompt really was split
+
+
+def test_a_lone_request_the_whole_cache_cannot_grow_is_capped():
+    """Two blocks of 4 tokens: a request alone at 8 tokens cannot get a slot
+    for its next one. It ends (FINISHED_LENGTH, in SchedulerOutput.capped)
+    with its blocks freed, instead of being preempted and readmitted forever."""
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    request = Request("a", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=None))
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    assert [s.request_id for s in step.scheduled] == ["a"] and not step.capped
+    scheduler.update_from_output(step, {"a": 9})
+    step = scheduler.schedule()  # the 8th token's KV fills the second block
+    scheduler.update_from_output(step, {"a": 10})
+    step = scheduler.schedule()
+    assert step.is_empty and step.capped == [request] and not step.preempted_ids
+    assert request.status is RequestStatus.FINISHED_LENGTH and request.output_token_ids == [9, 10]
+    assert kv.num_free_blocks == 2 and not scheduler.has_unfinished_requests()
+
+
+def test_a_waiting_request_larger_than_the_whole_cache_is_capped():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    big, small = Request("big", list(range(1, 12)), SamplingParams()), Request("small", [1, 2], SamplingParams())
+    scheduler.add_request(big)
+    scheduler.add_request(small)
+    step = scheduler.schedule()
+    assert step.capped == [big] and [s.request_id for s in step.scheduled] == ["small"]
+    assert big.status is RequestStatus.FINISHED_LENGTH

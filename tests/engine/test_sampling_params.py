@@ -42,6 +42,15 @@ def test_defaults_match_vllm():
     ("ignore_eos", 1), ("skip_special_tokens", None), ("include_stop_str_in_output", "yes"),
     ("logit_bias", {"x": 1.0}), ("logit_bias", {-3: 1.0}),
     ("timeout_seconds", 0), ("timeout_seconds", -5.0),
+    # Values that pass a plain range check but cannot reach the sampler's
+    # float32/int64 tensors (each used to fail a whole engine step).
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 1e308), ("temperature", 3.4e38),
+    ("top_p", float("nan")), ("min_p", float("nan")), ("presence_penalty", float("nan")),
+    ("repetition_penalty", float("inf")), ("repetition_penalty", 1e308),
+    ("top_k", 2**63), ("top_k", 2**70), ("n", 2**64), ("n", 1025), ("max_tokens", 2**64), ("min_tokens", 2**63),
+    ("logprobs", 2**63), ("prompt_logprobs", 2**70), ("stop_token_ids", [2**64]),
+    ("logit_bias", {1: float("nan")}), ("logit_bias", {1: float("inf")}), ("logit_bias", {1: 1e308}),
+    ("logit_bias", {2**64: 1.0}), ("timeout_seconds", float("inf")), ("timeout_seconds", float("nan")),
 ])
 def test_invalid_field_names_it(field, value):
     with pytest.raises(ValueError, match=field):
@@ -49,7 +58,7 @@ def test_invalid_field_names_it(field, value):
 
 
 def test_error_message_shape():
-    with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1.0"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 10000\], got -1.0"):
         SamplingParams(temperature=-1.0)
 
 
@@ -118,6 +127,17 @@ def test_clone_is_deep_and_keeps_explicit():
 
 
 def test_verify_vocab():
-    SamplingParams(logit_bias={9: 1.0}).verify_vocab(10)
+    SamplingParams(logit_bias={9: 1.0}, stop_token_ids=[9]).verify_vocab(10)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={10: 1.0}).verify_vocab(10)
+    with pytest.raises(ValueError, match="stop_token_ids has token ids \\[999999\\] outside the vocabulary"):
+        SamplingParams(stop_token_ids=[3, 999999]).verify_vocab(10)
+
+
+def test_top_k_beyond_the_vocabulary_is_off():
+    p = SamplingParams(top_k=10**9)
+    p.verify_vocab(10)
+    assert p.top_k == 0
+    p = SamplingParams(top_k=9)
+    p.verify_vocab(10)
+    assert p.top_k == 9

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_TIMEOUT = "timeout"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:

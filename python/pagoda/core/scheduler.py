@@ -44,6 +44,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests ended (FINISHED_LENGTH) because the whole KV cache cannot hold
+    # their next token: they would only be preempted and readmitted forever.
+    capped: list[Request] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -109,13 +112,17 @@ class Scheduler:
                 continue
             while self.kv.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
+                if victim is request and len(self.running) == 1:
+                    self._cap(output, request)
+                    num_new = 0
+                    break
                 self._preempt(victim)
                 output.preempted_ids.append(victim.request_id)
                 if victim is request:
                     num_new = 0
                     break
             if num_new == 0:
-                continue  # request itself was preempted: it left self.running
+                continue  # request itself was preempted or capped: it left self.running
             self._add_to_step(output, request, num_new)
             budget -= num_new
             index += 1
@@ -130,6 +137,9 @@ class Scheduler:
             num_computed = len(computed_blocks or ()) * self.kv.block_size
             num_new = min(request.num_tokens + request.num_pending_tokens - num_computed, budget)
             if self.kv.allocate_slots(request, num_computed + num_new, computed_blocks) is None:
+                if not self.running:  # the whole cache is free (or evictable) and still too small
+                    self._cap(output, request)
+                    continue
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -172,6 +182,10 @@ class Scheduler:
         if request.num_pending_tokens and request.max_num_tokens is not None and total >= request.max_num_tokens:
             return 0
         return total - request.num_computed_tokens
+
+    def _cap(self, output: SchedulerOutput, request: Request) -> None:
+        self.finish(request, RequestStatus.FINISHED_LENGTH)
+        output.capped.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV (cached blocks stay in the prefix

@@ -15,8 +15,9 @@ touches the LLMEngine (so the engine needs no locks):
     thread blocks on it when it has no work (no busy spin);
   - outputs go back to each caller's event loop with loop.call_soon_threadsafe
     into that request's asyncio.Queue.
-If the engine raises, every waiter gets EngineDeadError (not a hang) and later
-calls fail at once. The thread also keeps a heartbeat (when it last finished a
+A request that fails inside a step fails alone: its caller gets
+RequestFailedError and the engine serves on. If the engine itself raises,
+every waiter gets EngineDeadError (not a hang) and later calls fail at once. The thread also keeps a heartbeat (when it last finished a
 step while busy), so check_health() can tell a stalled engine from a busy one.
 """
 
@@ -42,6 +43,11 @@ logger = init_logger(__name__)
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an exception in a step, or shutdown()); the
     AsyncLLM must be recreated. __cause__ holds the original exception."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside an engine step (RequestOutput.error says
+    how); the engine freed its blocks and serves every other request on."""
 
 
 class EngineStalledError(RuntimeError):
@@ -321,7 +327,9 @@ class AsyncLLM:
                     completion.logprobs = list(completion.logprobs)
             with self._lock:
                 stream = self._streams.pop(output.request_id) if output.finished else self._streams.get(output.request_id)
-            if stream is not None and not _post(stream, output):
+            if stream is not None and output.error is not None:
+                _post(stream, RequestFailedError(output.error))
+            elif stream is not None and not _post(stream, output):
                 self._abort_in_engine(output.request_id)  # its loop is gone
 
     def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:

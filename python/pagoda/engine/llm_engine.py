@@ -11,13 +11,20 @@ GPU's. The next step is scheduled before those samples reach the host (their
 input ids are copied on the device), so a request that stops spends one more
 row of one step, whose token is dropped. Requests with penalties need every
 sampled id on the host: while one is in flight, steps run one at a time.
+
+A request fails alone. Its fields are checked when it is added; if a step
+still raises in work done per request (sampling inputs, sampling, output
+processing), the requests that make it fail are found by trying each alone,
+end with finish_reason "error" and RequestOutput.error, and free their blocks,
+while the step goes on for the others. Only what no single request explains
+(the model's forward pass, a device fault) propagates: the engine is then dead.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
@@ -46,7 +53,18 @@ _FINISH_STATUS = {
     "length": RequestStatus.FINISHED_LENGTH,
     "abort": RequestStatus.FINISHED_ABORTED,
     "timeout": RequestStatus.FINISHED_TIMEOUT,
+    "error": RequestStatus.FINISHED_ERROR,
 }
+# Stands in for a failed request's row in a re-run batch: greedy, no extras,
+# so it cannot fail again; its token is dropped with the request.
+_NEUTRAL_PARAMS = SamplingParams(temperature=0.0, max_tokens=None)
+T = TypeVar("T")
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Faults of the device or its memory, not of one request's values: a
+    CUDA error leaves the context unusable for every request."""
+    return isinstance(exc, (torch.AcceleratorError, torch.OutOfMemoryError)) or "CUDA error" in str(exc)
 
 
 @dataclass
@@ -100,6 +118,11 @@ class LLMEngine:
         # Periodic stats line (pagoda.metrics.StatLogger); None = off. Set by
         # EngineArgs(disable_log_stats=False) and AsyncLLM.
         self.stat_logger = None
+        self._failed: list[RequestOutput] = []  # requests failed inside a step, reported by the next step()
+        # A test hook: called as fault_hook(stage, request_ids) where a step
+        # works on those requests ("prepare", "sample", "output"); an
+        # exception it raises is handled as a failure of that work would be.
+        self.fault_hook: Callable[[str, list[str]], None] | None = None
 
     # --- requests -----------------------------------------------------------
 
@@ -139,7 +162,8 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, eos_token_ids=self.eos_token_ids)
             state.completions.append(Completion(index, child_id, detokenizer))
             if params.seed is not None:
-                self.generators[child_id] = make_generator(params.seed + index, self.runner.device)
+                # Seeds are 64-bit: the children's count on, wrapping around.
+                self.generators[child_id] = make_generator((params.seed + index) % 2**64, self.runner.device)
             self.parents[child_id] = state
             self.scheduler.add_request(
                 Request(child_id, token_ids, params, arrival_time, priority, self._max_num_tokens(token_ids, params))
@@ -185,12 +209,6 @@ class LLMEngine:
                 f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_len}: "
                 f"a prompt must leave room for at least one generated token"
             )
-        capacity = self.runner.num_blocks * self.kv_cache_manager.block_size
-        if num_prompt_tokens + 1 > capacity:
-            raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens but the KV cache holds only {capacity}: raise "
-                + ("kv_cache_space" if self.runner.device.type == "cpu" else "gpu_memory_utilization")
-            )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Ends requests now (finish_reason "abort") and frees their KV blocks."""
@@ -223,15 +241,16 @@ class LLMEngine:
             self._in_flight = None
             outputs += self._finish_step(in_flight)
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty and self._in_flight is None:
-            if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("the scheduler could not schedule any pending request (KV cache too small?)")
-            return outputs
-        launched = None if scheduled.is_empty else self._launch(scheduled)
-        if self.async_scheduling:
-            launched, self._in_flight = self._in_flight, launched
-        if launched is not None:
-            outputs += self._finish_step(launched)
+        for request in scheduled.capped:
+            self._fail_capped(request)
+        if not scheduled.is_empty or self._in_flight is not None:
+            launched = None if scheduled.is_empty else self._launch(scheduled)
+            if self.async_scheduling:
+                launched, self._in_flight = self._in_flight, launched
+            if launched is not None:
+                outputs += self._finish_step(launched)
+        outputs += self._failed
+        self._failed = []
         return outputs
 
     def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
@@ -247,26 +266,25 @@ class LLMEngine:
             if self._wants_prompt_logprobs(item.request_id):
                 prompt_logprob_ids.add(item.request_id)
         requests = [self.scheduler.requests[item.request_id] for item in scheduled.scheduled if item.sample]
-        metadata = None
+        rows, metadata = requests, None
         if requests:
             # Built before the forward pass is queued: its host-to-device
             # copies then go ahead of the model's work on the GPU stream.
-            metadata = SamplingMetadata.from_requests(
-                [r.sampling_params for r in requests],
-                [r.output_token_ids for r in requests],
-                prompt_token_ids=[r.prompt_token_ids for r in requests],
-                generators=[self.generators.get(r.request_id) for r in requests],
-                eos_token_ids=self.eos_token_ids,
-                device=self.runner.device,
-                num_output_tokens=[r.num_output_tokens - 1 for r in requests],  # this step's sample is pending too
-            )
+            rows, metadata = self._per_request("prepare", requests, self._sampling_metadata,
+                                               lambda row, request: self._sampling_metadata([request], trial=True))
         previous = self._in_flight.samples if self._in_flight is not None else None
         logits, prompt_logits = self.runner.execute(
             scheduled, frozenset(prompt_logprob_ids), None if previous is None else previous.sampled
         )
         samples = None
         if requests:
-            samples = self.sampler.sample(logits, metadata)
+            prepared = rows
+            _, samples = self._per_request(
+                "sample", rows,
+                lambda rows: self.sampler.sample(logits, metadata if rows is prepared else self._sampling_metadata(rows)),
+                lambda row, request: self.sampler.sample(logits[row : row + 1],
+                                                         self._sampling_metadata([request], trial=True)),
+            )
             samples.start_copy_to_host()
         return _LaunchedStep(
             scheduled,
@@ -275,6 +293,88 @@ class LLMEngine:
             metadata is not None and metadata.uses_penalties,
             [(self.parents[child_id], first, chunk) for child_id, (first, chunk) in prompt_logits.items()],
         )
+
+    def _sampling_metadata(self, rows: list[Request | None], trial: bool = False) -> SamplingMetadata:
+        """The sampler's inputs for these rows (None: a failed request's
+        neutral row). A trial samples with copies of the generators, so
+        trying a row leaves its seeded stream where it was."""
+        generators = [None if r is None else self.generators.get(r.request_id) for r in rows]
+        if trial:
+            generators = [None if g is None else g.clone_state() for g in generators]
+        return SamplingMetadata.from_requests(
+            [_NEUTRAL_PARAMS if r is None else r.sampling_params for r in rows],
+            [() if r is None else r.output_token_ids for r in rows],
+            prompt_token_ids=[() if r is None else r.prompt_token_ids for r in rows],
+            generators=generators,
+            eos_token_ids=self.eos_token_ids,
+            device=self.runner.device,
+            # This step's sample is pending too.
+            num_output_tokens=[0 if r is None else r.num_output_tokens - 1 for r in rows],
+        )
+
+    def _per_request(self, stage: str, rows: list[Request | None], run: Callable[[list[Request | None]], T],
+                     trial: Callable[[int, Request], Any]) -> tuple[list[Request | None], T]:
+        """run(rows): one batched piece of a step over the sampling rows
+        (None: a request failed earlier in the step). If it raises, each
+        request is tried alone (trial(row, request)); those that fail alone
+        are failed, and run goes again with None in their rows. Returns the
+        rows and run's result. A failure that no single request explains,
+        or a device fault, propagates."""
+        try:
+            self._inject(stage, rows)
+            return rows, run(rows)
+        except Exception as exc:  # noqa: BLE001 -- narrowed to single requests below, else re-raised
+            if is_device_fault(exc):
+                raise
+            batch_error = exc
+        rows = list(rows)
+        failed = False
+        for row, request in enumerate(rows):
+            if request is None:
+                continue
+            try:
+                self._inject(stage, [request])
+                trial(row, request)
+            except Exception as exc:  # noqa: BLE001
+                if is_device_fault(exc):
+                    raise
+                self._fail(request.request_id, stage, exc)
+                rows[row], failed = None, True
+        if not failed:
+            raise batch_error
+        return rows, run(rows)
+
+    def _inject(self, stage: str, rows: list[Request | None]) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(stage, [r.request_id for r in rows if r is not None])
+
+    def _fail(self, child_id: str, stage: str, exc: BaseException) -> None:
+        """Ends the whole request (all n completions) with finish_reason
+        "error", frees its blocks, and queues its final output for step()."""
+        state = self.parents.get(child_id)
+        if state is None:
+            return
+        logger.error("request %s failed in the step's %s stage; it ends alone, the engine serves on: %s: %s",
+                     state.request_id, stage, type(exc).__name__, exc, exc_info=exc)
+        state.error = f"the request failed inside the engine ({stage}): {type(exc).__name__}: {exc}"
+        for completion in state.completions:
+            completion.detokenizer.finish("error")
+            self._release(completion.child_id, RequestStatus.FINISHED_ERROR)
+        self.states.pop(state.request_id, None)
+        self._failed.append(state.output())
+
+    def _fail_capped(self, request: Request) -> None:
+        """A request the scheduler ended because the KV cache cannot hold
+        its next token even alone: it finishes with "length"."""
+        state = self.parents.get(request.request_id)
+        if state is None:
+            return
+        completion = self._completion(state, request.request_id)
+        completion.detokenizer.finish("length")
+        self._release(request.request_id, RequestStatus.FINISHED_LENGTH)
+        if state.finished:
+            self.states.pop(state.request_id, None)
+            self._failed.append(state.output())
 
     def _finish_step(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Waits for a launched step's samples and turns them into outputs:
@@ -292,7 +392,12 @@ class LLMEngine:
                         logprobs[request.request_id] = result.logprobs[row]
         for state, first_position, chunk_logits in step.prompt_logits:
             if self.states.get(state.request_id) is state:
-                self._add_prompt_logprobs(state, first_position, chunk_logits)
+                try:
+                    self._add_prompt_logprobs(state, first_position, chunk_logits)
+                except Exception as exc:  # noqa: BLE001 -- this request's alone
+                    if is_device_fault(exc):
+                        raise
+                    self._fail(state.completions[0].child_id, "output", exc)
         advanced = self.scheduler.update_from_output(step.scheduled, sampled)
         if self.stat_logger is not None:
             self.stat_logger.record(step.scheduled, num_generated_tokens=len(advanced))
@@ -300,10 +405,19 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, RequestState] = {}
         for request in advanced:
-            state = self.parents[request.request_id]
+            state = self.parents.get(request.request_id)
+            if state is None:
+                continue  # a sibling failed earlier in this loop
             completion = state.completions[0] if state.params.n == 1 else self._completion(state, request.request_id)
-            row_logprobs = logprobs.get(request.request_id)
-            completion.detokenizer.append([request.output_token_ids[-1]], None if row_logprobs is None else [row_logprobs])
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("output", [request.request_id])
+                row_logprobs = logprobs.get(request.request_id)
+                completion.detokenizer.append([request.output_token_ids[-1]],
+                                              None if row_logprobs is None else [row_logprobs])
+            except Exception as exc:  # noqa: BLE001 -- this request's alone
+                self._fail(request.request_id, "output", exc)
+                continue
             if not completion.detokenizer.finished and request.num_tokens >= self.model_config.max_model_len:
                 completion.detokenizer.finish("length")
             if state.metrics.first_token_time is None:
@@ -314,6 +428,8 @@ class LLMEngine:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
+            if state.error is not None:
+                continue  # its final output is queued already
             if not state.final_only or state.finished:
                 outputs.append(state.output())
             if state.finished:
@@ -376,4 +492,7 @@ def _eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:
             ids.add(source)
         elif isinstance(source, (list, tuple)):
             ids.update(i for i in source if isinstance(i, int))
-    return sorted(ids)
+    # An id past the model's logits (a tokenizer larger than the model) can
+    # never be sampled, and the sampler could not mask it.
+    vocab_size = model_config.hf_config.vocab_size
+    return sorted(i for i in ids if 0 <= i < vocab_size)

@@ -46,6 +46,7 @@ class RequestState:
     prompt_logprob_entries: list = field(default_factory=list)  # TokenLogprobs for prompt tokens 1.. so far
     num_cached_tokens: int = 0
     final_only: bool = False  # step() reports it only when finished (RequestOutputKind.FINAL_ONLY)
+    error: str | None = None  # why it failed inside the engine (RequestOutput.error)
 
     @property
     def finished(self) -> bool:
@@ -64,4 +65,5 @@ class RequestState:
             finished=finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )

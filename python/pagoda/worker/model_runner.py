@@ -58,6 +58,7 @@ class ModelRunner(abc.ABC):
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.block_size, self.device
         )
         self.num_blocks = self.determine_num_blocks()
+        model_config.fit_to_kv_cache(self.num_blocks * self.block_size, self.memory_flag())
         with self.startup_phase("KV cache") as details:
             self.initialize_kv_cache(self.num_blocks)
             details.append(
@@ -98,6 +99,12 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def determine_num_blocks(self) -> int:
         """How many KV cache blocks to allocate (num_gpu_blocks_override wins)."""
+
+    def memory_flag(self) -> str:
+        """The flag that makes the KV cache larger here (for error messages)."""
+        if self.cache_config.num_gpu_blocks_override is not None:
+            return "num_gpu_blocks_override"
+        return "--kv-cache-space" if self.device.type == "cpu" else "--gpu-memory-utilization"
 
     def block_bytes(self) -> int:
         """Bytes of one KV cache block over all layers (keys and values)."""
