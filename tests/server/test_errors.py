@@ -200,6 +200,28 @@ def test_unknown_model_and_route(server):
     still_serving(server)
 
 
+def test_a_request_failing_in_a_step_fails_alone(server, monkeypatch):
+    """A fault inside the engine's step that one request explains (injected
+    with the engine's fault hook) fails that request -- a 500 error object,
+    or an error event ending its stream -- and the server serves on."""
+    core = server.engine.engine
+    poison = [7, 7, 7, 7]
+
+    def fault_hook(stage, request_ids):
+        if stage == "sample" and any(core.scheduler.requests[i].prompt_token_ids == poison for i in request_ids):
+            raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(core, "fault_hook", fault_hook)
+    body = {"model": MODEL, "prompt": poison, "max_tokens": 3}
+    assert_error(post(server, "/v1/completions", body), 500, says="injected fault")
+    r = post(server, "/v1/completions", dict(body, stream=True))
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert "injected fault" in json.loads(events[-2])["error"]["message"]
+    still_serving(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_api_key(model_folder):
     from conftest import ENGINE_ARGS
 

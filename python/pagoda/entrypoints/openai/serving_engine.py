@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestOutputKind
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -118,6 +118,8 @@ def engine_error(exc: BaseException) -> APIError:
     """An engine failure as the error a client should see."""
     if isinstance(exc, EngineDeadError):
         return APIError("the engine is not running; the server must be restarted", status=503)
+    if isinstance(exc, RequestFailedError):  # this request alone: the engine serves on
+        return APIError(f"the request failed inside the engine: {exc}", status=500, type="server_error")
     if isinstance(exc, ValueError):
         return APIError(str(exc))
     return APIError("internal server error", status=500, type="server_error")
