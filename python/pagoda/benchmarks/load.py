@@ -133,8 +133,8 @@ async def scrape(client, url: str, headers: dict | None = None) -> dict[str, flo
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    missing = [name for name in ("pagoda:kv_cache_used_blocks", "pagoda:num_requests_running")
-               if name not in values]
+    missing = [name for name in ("pagoda:kv_cache_used_blocks", "pagoda:num_requests_running",
+                                 "pagoda:num_requests_waiting") if name not in values]
     if missing:
         raise ValueError(f"{url}/metrics has no {', '.join(missing)}: bench load needs a Pagoda server "
                          f"recent enough to report its KV blocks")
