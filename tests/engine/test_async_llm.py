@@ -248,3 +248,35 @@ def test_from_engine_wraps_an_existing_engine(folder, reference):
         assert final.outputs[0].token_ids == reference[2]
     finally:
         llm.shutdown()
+
+
+def test_a_caller_leaving_as_its_request_finishes_does_not_kill_the_engine(llm, monkeypatch):
+    """The race the load tool found: the caller's cleanup removes its stream
+    while the engine thread delivers that request's final output."""
+    step = llm.engine.step
+
+    def step_then_caller_leaves():
+        outputs = step()
+        for output in outputs:
+            if output.finished:
+                with llm._lock:
+                    llm._streams.pop(output.request_id, None)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", step_then_caller_leaves)
+
+    async def left():
+        stream = llm.generate([5, 6], SamplingParams(max_tokens=2), "leaves")
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await stream.aclose()
+
+    asyncio.run(left())
+    monkeypatch.setattr(llm.engine, "step", step)
+
+    async def next_request():
+        return [out async for out in llm.generate([5, 6], GREEDY, "next")][-1]
+
+    assert len(asyncio.run(next_request()).outputs[0].token_ids) == 12
+    llm.check_health()

@@ -326,7 +326,9 @@ class AsyncLLM:
                     # The detokenizer keeps appending to this list in this thread.
                     completion.logprobs = list(completion.logprobs)
             with self._lock:
-                stream = self._streams.pop(output.request_id) if output.finished else self._streams.get(output.request_id)
+                # A caller that left just now has removed its stream itself.
+                stream = (self._streams.pop(output.request_id, None) if output.finished
+                          else self._streams.get(output.request_id))
             if stream is not None and output.error is not None:
                 _post(stream, RequestFailedError(output.error))
             elif stream is not None and not _post(stream, output):
