@@ -7,6 +7,8 @@ import logging
 import os
 
 _configured = False
+_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+_DATE_FORMAT = "%m-%d %H:%M:%S"
 
 
 def init_logger(name: str) -> logging.Logger:
@@ -15,9 +17,17 @@ def init_logger(name: str) -> logging.Logger:
         root = logging.getLogger("pagoda")
         if not root.handlers:
             handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+            handler.setFormatter(logging.Formatter(_FORMAT, _DATE_FORMAT))
             root.addHandler(handler)
         root.setLevel(os.environ.get("PAGODA_LOG_LEVEL", "INFO").upper())
         root.propagate = False
         _configured = True
     return logging.getLogger(name)
+
+
+def tag_process_logs() -> None:
+    """Names the process in every line ("(pagoda-engine-core) ..."): the
+    server's processes share one stderr."""
+    init_logger("pagoda")
+    for handler in logging.getLogger("pagoda").handlers:
+        handler.setFormatter(logging.Formatter("(%(processName)s) " + _FORMAT, _DATE_FORMAT))

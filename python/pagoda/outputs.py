@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 # Why a completion ended: "stop" (EOS, a stop token id or a stop string),
 # "length" (max_tokens or the model's context), "abort" (the caller),
 # "timeout" (SamplingParams.timeout_seconds passed), "error" (the request
@@ -28,6 +30,17 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Raw logprobs at one position, as the sampler computes them and the
+    engine core sends them: token_ids[0]/logprobs[0] is the chosen (or
+    prompt) token with its rank; then the top-k tokens, most likely first
+    (their ranks are 1..k). The front end turns them into Logprob dicts."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
 
 
 # Per position: token id -> Logprob, holding the chosen token and the top-k.

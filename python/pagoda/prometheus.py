@@ -2,13 +2,13 @@
 `vllm:*` set under Pagoda's own prefix `pagoda:`, all labelled model_name.
 
 Two sources, so every number is current:
-  - record(outputs), called by AsyncLLM in the engine thread with each step's
-    outputs (and each aborted request's last one): token counters, TTFT at a
-    request's first token, and at its finish the finish reason, latencies and
-    token counts;
+  - record(stats), called by AsyncLLM with each step's IterationStats (and
+    each abort's): token counters, TTFT at a request's first token, and at
+    its finish the finish reason, latencies and token counts;
   - a collector read at scrape time: running/waiting requests, KV cache
-    usage and blocks, prefix-cache queries/hits, preemptions, the process's
-    resident memory (so an idle engine shows 0, not what its last step saw).
+    usage and blocks, prefix-cache queries/hits, preemptions (the engine
+    core's SchedulerStats after its latest step, so an idle engine shows 0),
+    and this process's resident memory.
 Each PrometheusStatLogger has its own CollectorRegistry: several servers in
 one process (tests) do not clash.
 """
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagoda.outputs import RequestOutput
+from pagoda.engine.output_processor import REASON_ORDER, IterationStats
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -30,9 +30,6 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]
-# A request with completions ending differently (n > 1) counts under the
-# least successful reason.
-_REASON_ORDER = ("abort", "timeout", "length", "stop")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -66,7 +63,7 @@ class PrometheusStatLogger:
                                          "Generation tokens produced.").labels(model_name)
         self.request_success = counter("pagoda:request_success_total", "Finished requests, by finish reason.",
                                        ["finished_reason"])
-        for reason in _REASON_ORDER:  # every series exists from the start, at 0
+        for reason in REASON_ORDER:  # every series exists from the start, at 0
             self.request_success.labels(model_name, reason)
         self.request_failure = counter("pagoda:request_failure_total",
                                        "Requests the server refused or failed, by HTTP status.", ["status"])
@@ -90,56 +87,36 @@ class PrometheusStatLogger:
             "pagoda:request_generation_tokens", "Generated tokens per finished request (all n completions).",
             build_1_2_5_buckets(max_len * 16))
         self.registry.register(_EngineStateCollector(engine, model_name))
-        self._counted: dict[str, int] = {}  # request id -> generated tokens counted so far
 
-    def record(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            generated = sum(len(c.token_ids) for c in out.outputs)
-            counted = self._counted.get(out.request_id)
-            if counted is None and generated:  # its first token: the prompt is done
-                counted = 0
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                if out.metrics is not None and out.metrics.time_to_first_token is not None:
-                    self.time_to_first_token.observe(out.metrics.time_to_first_token)
-            if generated > (counted or 0):
-                self.generation_tokens.inc(generated - (counted or 0))
-            if out.finished:
-                self._counted.pop(out.request_id, None)
-                self._record_finished(out, generated)
-            elif counted is not None:
-                self._counted[out.request_id] = generated
-
-    def _record_finished(self, out: RequestOutput, generated: int) -> None:
-        reasons = {c.finish_reason for c in out.outputs}
-        reason = next((r for r in _REASON_ORDER if r in reasons), "stop")
-        self.request_success.labels(self.model_name, reason).inc()
-        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.observe(generated)
-        if out.metrics is None:
-            return
-        t = out.metrics.timings()
-        self.e2e_latency.observe(t["total_s"])
-        self.queue_time.observe(t["queue_s"])
-        self.prefill_time.observe(t["prefill_s"])
-        self.decode_time.observe(t["decode_s"])
-        longest = max((len(c.token_ids) for c in out.outputs), default=0)
-        if longest > 1:  # completions decode side by side: per-sequence time per token
-            self.time_per_output_token.observe(t["decode_s"] / (longest - 1))
+    def record(self, stats: IterationStats) -> None:
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for finished in stats.finished:
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            t = finished.metrics.timings()
+            self.e2e_latency.observe(t["total_s"])
+            self.queue_time.observe(t["queue_s"])
+            self.prefill_time.observe(t["prefill_s"])
+            self.decode_time.observe(t["decode_s"])
+            if finished.max_completion_tokens > 1:  # completions decode side by side: per-sequence time per token
+                self.time_per_output_token.observe(t["decode_s"] / (finished.max_completion_tokens - 1))
 
     def record_failure(self, status: int) -> None:
         self.request_failure.labels(self.model_name, str(status)).inc()
 
 
 class _EngineStateCollector(Collector):
-    """Values read from the engine at scrape time (plain ints the engine
-    thread updates; reading them from the event loop needs no lock)."""
+    """Values read at scrape time from the engine core's latest stats."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        core = self.engine.engine
-        kv, scheduler = core.kv_cache_manager, core.scheduler
+        stats = self.engine.scheduler_stats
         labels = [self.model_name]
 
         def family(kind, name, doc, value):
@@ -148,39 +125,43 @@ class _EngineStateCollector(Collector):
             return metric
 
         yield family(GaugeMetricFamily, "pagoda:num_requests_running", "Sequences in the running batch.",
-                     scheduler.num_running)
+                     stats.num_running)
         yield family(GaugeMetricFamily, "pagoda:num_requests_waiting", "Sequences waiting to be scheduled.",
-                     scheduler.num_waiting)
+                     stats.num_waiting)
         yield family(GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
-                     kv.usage())
+                     stats.kv_cache_usage)
         # Exact counts beside the fraction: an idle engine must hold 0 blocks
         # (a leak shows as used blocks with nothing running). Blocks kept
         # only by the prefix cache are free: any allocation may reuse them.
         yield family(GaugeMetricFamily, "pagoda:kv_cache_total_blocks", "KV cache blocks in the pool.",
-                     kv.pool.num_blocks)
+                     stats.num_blocks)
         yield family(GaugeMetricFamily, "pagoda:kv_cache_used_blocks",
                      "KV cache blocks held by requests (prefix-cached blocks nobody holds count as free).",
-                     kv.pool.num_blocks - kv.num_free_blocks)
-        stats = kv.prefix_cache_stats
+                     stats.num_used_blocks)
         yield family(CounterMetricFamily, "pagoda:prefix_cache_queries",
-                     "Prompt tokens looked up in the prefix cache.", stats.queries)
+                     "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         yield family(CounterMetricFamily, "pagoda:prefix_cache_hits",
-                     "Prompt tokens served from the prefix cache.", stats.hits)
+                     "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
         yield family(CounterMetricFamily, "pagoda:num_preemptions", "Preemptions (recomputation) so far.",
-                     scheduler.num_preemptions)
+                     stats.num_preemptions)
         rss = resident_memory_bytes()
         if rss is not None:
             yield family(GaugeMetricFamily, "pagoda:process_resident_memory_bytes",
                          "Resident memory of the server process (growth under load is a leak).", rss)
+        core_pid = self.engine.core_pid
+        core_rss = None if core_pid is None else resident_memory_bytes(core_pid)
+        if core_rss is not None:
+            yield family(GaugeMetricFamily, "pagoda:engine_core_resident_memory_bytes",
+                         "Resident memory of the engine-core process.", core_rss)
 
 
-def resident_memory_bytes() -> int | None:
-    """This process's resident set size from /proc (None where there is no
+def resident_memory_bytes(pid: int | str = "self") -> int | None:
+    """A process's resident set size from /proc (None where there is no
     /proc): what prometheus_client's process collector reports as
     process_resident_memory_bytes, here under the pagoda: prefix every
     metric of this registry has."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return None

@@ -79,7 +79,11 @@ class SamplingParams:
 
     # Records the keyword arguments the caller passed. __new__ sees the same
     # arguments as the generated __init__, and copy/pickle restore the set
-    # from __dict__, so clones keep it.
+    # from __dict__, so clones keep it. A copy decoded from the engine core's
+    # channel (msgspec builds it without __new__) has none: its defaults
+    # were applied before it was sent.
+    _explicit = frozenset()
+
     def __new__(cls, **kwargs):
         self = super().__new__(cls)
         self._explicit = frozenset(kwargs)

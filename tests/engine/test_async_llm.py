@@ -1,13 +1,16 @@
 """AsyncLLM end to end on a tiny random Llama (prompts as token ids): concurrent
 streams equal LLM.generate, delta/cumulative/final-only outputs agree,
 cancelling frees the KV blocks, an engine failure reaches every waiter, and
-the event loop keeps running while the engine steps -- with the engine
-scheduling one step at a time and asynchronously (the GPU default).
+the event loop keeps running while the engine steps -- with the engine core
+in a thread scheduling one step at a time and asynchronously (the GPU
+default), and with the core in its own process (what the server runs).
 
 pytest-asyncio is not installed: each test drives its coroutine with asyncio.run.
 """
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -32,12 +35,28 @@ def reference(folder):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+MODES = {"sync": dict(async_scheduling=False), "async-scheduling": dict(async_scheduling=True),
+         "process": dict(async_scheduling=False, multiprocess=True)}
+
+
+def make(folder, mode):
+    return AsyncLLM(folder, disable_log_stats=True, **MODES[mode], **ENGINE_ARGS)
+
+
+@pytest.fixture(params=list(MODES))
 def llm(folder, request):
-    llm = AsyncLLM(folder, disable_log_stats=True, async_scheduling=request.param, **ENGINE_ARGS)
+    llm = make(folder, request.param)
     yield llm
     llm.shutdown()
-    assert not llm._thread.is_alive()
+    assert not llm.client.is_alive()
+
+
+@pytest.fixture(params=["sync", "async-scheduling"])
+def inproc_llm(folder, request):
+    """The core in a thread of the test process, where tests can reach into it."""
+    llm = make(folder, request.param)
+    yield llm
+    llm.shutdown()
 
 
 def slow_down(llm, monkeypatch, seconds):
@@ -56,12 +75,12 @@ async def collect(llm, prompt, request_id, params=GREEDY, **kwargs):
 
 
 async def wait_pool_full(llm, timeout=10.0):
-    """The engine thread frees blocks asynchronously: poll until it did."""
-    kv, runner = llm.engine.kv_cache_manager, llm.engine.runner
+    """The core frees blocks asynchronously: poll its stats until it did."""
     deadline = time.monotonic() + timeout
-    while kv.num_free_blocks != runner.num_blocks:
-        assert time.monotonic() < deadline, f"KV blocks leaked: {kv.num_free_blocks} of {runner.num_blocks} free"
+    while (stats := llm.scheduler_stats).num_used_blocks:
+        assert time.monotonic() < deadline, f"KV blocks leaked: {stats.num_used_blocks} of {stats.num_blocks} in use"
         await asyncio.sleep(0.01)
+    assert stats.num_blocks == llm.ready.num_blocks
 
 
 def test_concurrent_streams_equal_offline_generate(llm, reference):
@@ -79,7 +98,7 @@ def test_concurrent_streams_equal_offline_generate(llm, reference):
         assert final.outputs[0].finish_reason == "length"
         lengths = [len(o.outputs[0].token_ids) for o in stream]
         assert lengths == sorted(lengths) and lengths[0] >= 1  # cumulative
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
 
 
 def test_delta_and_final_only_agree_with_cumulative(llm):
@@ -124,7 +143,8 @@ def test_bad_requests_raise_value_error_and_the_engine_goes_on(llm, reference):
     assert final.outputs[0].token_ids == reference[0]
 
 
-def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(llm, monkeypatch):
+def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(inproc_llm, monkeypatch):
+    llm = inproc_llm
     slow_down(llm, monkeypatch, 0.01)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
@@ -162,10 +182,11 @@ def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(llm, monkey
     assert 0 < len(aborted.outputs[0].token_ids) < 100
     final = stream[-1]
     assert final.finished and len(final.outputs[0].token_ids) == 3
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
 
 
-def test_engine_failure_reaches_every_waiter_and_later_calls_fail_fast(llm, monkeypatch):
+def test_engine_failure_reaches_every_waiter_and_later_calls_fail_fast(inproc_llm, monkeypatch):
+    llm = inproc_llm
     execute = llm.engine.runner.execute
     calls = 0
 
@@ -198,7 +219,8 @@ def test_engine_failure_reaches_every_waiter_and_later_calls_fail_fast(llm, monk
         llm.check_health()
 
 
-def test_the_event_loop_keeps_running_while_the_engine_steps(llm, monkeypatch):
+def test_the_event_loop_keeps_running_while_the_engine_steps(inproc_llm, monkeypatch):
+    llm = inproc_llm
     step_seconds = 0.05
     slow_down(llm, monkeypatch, step_seconds)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -229,15 +251,50 @@ def test_the_event_loop_keeps_running_while_the_engine_steps(llm, monkeypatch):
     assert max(gaps) < elapsed / 4
 
 
-def test_shutdown_stops_the_thread_and_fails_later_calls(folder):
-    llm = AsyncLLM(folder, disable_log_stats=True, **ENGINE_ARGS)
+@pytest.mark.parametrize("mode", ["sync", "process"])
+def test_shutdown_stops_the_core_and_fails_later_calls(folder, mode):
+    llm = make(folder, mode)
     assert llm.is_running and not llm.errored
     llm.check_health()
+    pid = llm.core_pid
+    assert (pid is None) == (mode != "process") and pid != os.getpid()
     llm.shutdown()
-    assert not llm._thread.is_alive() and not llm.is_running
+    assert not llm.client.is_alive() and not llm.is_running
+    if pid is not None:
+        with pytest.raises(ProcessLookupError):  # stopped and reaped: no orphan left
+            os.kill(pid, 0)
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm, [1, 2], "after-shutdown"))
     llm.shutdown()  # idempotent
+
+
+def test_a_killed_engine_core_process_fails_every_waiter(folder):
+    """A core that dies without a word (SIGKILL, a crash) is noticed: every
+    stream ends with EngineDeadError, health fails, later calls fail fast."""
+    llm = make(folder, "process")
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        streams = [llm.generate(p, params, f"r{i}") for i, p in enumerate(PROMPTS[:3])]
+        firsts = [await s.__anext__() for s in streams]
+        os.kill(llm.core_pid, signal.SIGKILL)
+
+        async def rest(stream):
+            return [o async for o in stream]
+
+        return firsts, await asyncio.wait_for(asyncio.gather(*(rest(s) for s in streams), return_exceptions=True), 30)
+
+    try:
+        firsts, results = asyncio.run(main())
+        assert all(not f.finished for f in firsts)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert llm.errored and "exited" in str(llm.dead_error)
+        with pytest.raises(EngineDeadError):
+            llm.check_health()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(llm, [1, 2], "later"))
+    finally:
+        llm.shutdown()
 
 
 def test_from_engine_wraps_an_existing_engine(folder, reference):
@@ -250,20 +307,19 @@ def test_from_engine_wraps_an_existing_engine(folder, reference):
         llm.shutdown()
 
 
-def test_a_caller_leaving_as_its_request_finishes_does_not_kill_the_engine(llm, monkeypatch):
+def test_a_caller_leaving_as_its_request_finishes_does_not_kill_the_engine(llm):
     """The race the load tool found: the caller's cleanup removes its stream
-    while the engine thread delivers that request's final output."""
-    step = llm.engine.step
+    while the engine delivers that request's final output."""
+    deliver = llm.client.on_outputs
 
-    def step_then_caller_leaves():
-        outputs = step()
-        for output in outputs:
+    def deliver_after_callers_left(outputs):
+        for output in outputs.outputs:
             if output.finished:
                 with llm._lock:
-                    llm._streams.pop(output.request_id, None)
-        return outputs
+                    llm._collectors.pop(output.request_id, None)
+        deliver(outputs)
 
-    monkeypatch.setattr(llm.engine, "step", step_then_caller_leaves)
+    llm.client.on_outputs = deliver_after_callers_left
 
     async def left():
         stream = llm.generate([5, 6], SamplingParams(max_tokens=2), "leaves")
@@ -273,7 +329,7 @@ def test_a_caller_leaving_as_its_request_finishes_does_not_kill_the_engine(llm, 
         await stream.aclose()
 
     asyncio.run(left())
-    monkeypatch.setattr(llm.engine, "step", step)
+    llm.client.on_outputs = deliver
 
     async def next_request():
         return [out async for out in llm.generate([5, 6], GREEDY, "next")][-1]

@@ -78,13 +78,13 @@ def test_random_valid_sequences_stream_without_replacement_chars(tokenizer, hf_t
 
 
 def test_invalid_bytes_come_out_at_the_end(tokenizer, hf_tokenizer):
-    """Tokens that never form a valid character: flushed when finished, so the
-    final text equals tokenizer.decode of all tokens."""
+    """Tokens that never form a valid character: flushed when the core ends
+    the sequence, so the final text equals tokenizer.decode of all tokens."""
     partial = [t for t in hf_tokenizer.encode("🙂🙂") if "\ufffd" in hf_tokenizer.decode([t])][:1]
     assert partial
     seq = hf_tokenizer.encode("ab ") + partial
     d = IncrementalDetokenizer(tokenizer, [], SamplingParams(max_tokens=len(seq)))
-    shown = "".join(stream(d, seq))
+    shown = "".join(stream(d, seq[:-1])) + d.append(seq[-1:], finish_reason="length")
     assert d.finish_reason == "length"
     assert shown == d.output_text == hf_tokenizer.decode(seq)
 
@@ -100,51 +100,40 @@ def test_skip_special_tokens(tokenizer, hf_tokenizer):
     assert "<sep><sep>" in hf_tokenizer.decode(ids)
 
 
-def test_eos_stops_and_is_not_shown(tokenizer, hf_tokenizer):
-    ids = hf_tokenizer.encode("héllo") + [eos(hf_tokenizer)] + hf_tokenizer.encode("more")
-    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False), eos_token_ids=eos(hf_tokenizer))
-    out = d.append(ids)
-    assert out == "héllo" and d.finish_reason == "stop" and d.stop_reason is None
-    assert d.output_token_ids == ids[: len(hf_tokenizer.encode("héllo")) + 1]
-    assert d.append(hf_tokenizer.encode("x")) == ""  # finished: ignored
-
-
-def test_ignore_eos(tokenizer, hf_tokenizer):
-    e = eos(hf_tokenizer)
-    ids = hf_tokenizer.encode("ab") + [e] + hf_tokenizer.encode("cd")
-    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(ignore_eos=True, max_tokens=len(ids)), eos_token_ids=[e])
-    assert d.append(ids) == "abcd"
-    assert d.finish_reason == "length" and d.output_token_ids == ids
-
-
-def test_stop_token_ids(tokenizer, hf_tokenizer):
+def test_a_stop_token_is_shown_only_on_request(tokenizer, hf_tokenizer):
+    """The core ends a sequence at EOS or a stop token id ("stop" with its
+    last token): that token's text is shown only with
+    include_stop_str_in_output, and later tokens are ignored."""
     ids = hf_tokenizer.encode("hello world")
     stop_id = ids[-1]
-    text_before = hf_tokenizer.decode(ids[:-1])
     for include in (False, True):
         d = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop_token_ids=[stop_id],
                                                                  include_stop_str_in_output=include))
-        out = "".join(stream(d, ids))
-        assert d.finish_reason == "stop" and d.stop_reason == stop_id
-        assert out == (hf_tokenizer.decode(ids) if include else text_before)
-
-
-def test_min_tokens_delays_stops(hf_tokenizer):
+        out = "".join(stream(d, ids[:-1])) + d.append([stop_id], finish_reason="stop", stop_reason=stop_id)
+        assert d.finish_reason == "stop" and d.stop_reason == stop_id and d.output_token_ids == ids
+        assert out == (hf_tokenizer.decode(ids) if include else hf_tokenizer.decode(ids[:-1]))
+        assert d.append(hf_tokenizer.encode("x")) == "" and d.output_token_ids == ids  # finished: ignored
     e = eos(hf_tokenizer)
-    d = IncrementalDetokenizer(hf_tokenizer, [], SamplingParams(min_tokens=2, stop=["a"]), eos_token_ids=[e])
-    d.append([e])
+    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
+    assert d.append(hf_tokenizer.encode("héllo") + [e], finish_reason="stop") == "héllo"
+    assert d.finish_reason == "stop" and d.stop_reason is None
+
+
+def test_the_cores_finish_comes_with_the_last_token(tokenizer, hf_tokenizer):
+    """"length" (max_tokens, max_model_len) and the like end the sequence
+    after the token they come with, whose text is shown."""
+    ids = hf_tokenizer.encode("The quick brown fox")
+    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(max_tokens=len(ids)))
+    assert "".join(stream(d, ids[:-1])) + d.append(ids[-1:], finish_reason="length") == hf_tokenizer.decode(ids)
+    assert d.finish_reason == "length" and d.stop_reason is None and d.output_token_ids == ids
+
+
+def test_min_tokens_delays_stop_strings(hf_tokenizer):
+    d = IncrementalDetokenizer(hf_tokenizer, [], SamplingParams(min_tokens=2, stop=["a"]))
+    stream(d, hf_tokenizer.encode("a") * 2)
+    assert not d.finished  # the sampler cannot end a sequence before min_tokens either
     d.append(hf_tokenizer.encode("a"))
-    assert not d.finished
-    d.append([e])
-    assert d.finish_reason == "stop" and len(d.output_token_ids) == 3
-
-
-def test_max_tokens_length(tokenizer, hf_tokenizer):
-    ids = hf_tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(max_tokens=3))
-    d.append(ids)
-    assert d.finish_reason == "length" and d.output_token_ids == ids[:3]
-    assert d.output_text == hf_tokenizer.decode(ids[:3])
+    assert d.finish_reason == "stop" and d.stop_reason == "a" and len(d.output_token_ids) == 3
 
 
 def test_stop_string_spanning_tokens(tokenizer, hf_tokenizer):
@@ -197,18 +186,20 @@ def test_stop_helpers():
 
 def test_no_tokenizer_or_no_detokenize(hf_tokenizer):
     e = eos(hf_tokenizer)
-    d = IncrementalDetokenizer(None, [1, 2], SamplingParams(max_tokens=5), eos_token_ids=[e])
-    assert d.append([5, 6, e]) == "" and d.finish_reason == "stop" and d.output_token_ids == [5, 6, e]
+    d = IncrementalDetokenizer(None, [1, 2], SamplingParams(max_tokens=5))
+    assert d.append([5, 6]) == "" and d.append([e], finish_reason="stop") == ""
+    assert d.finish_reason == "stop" and d.output_token_ids == [5, 6, e]
     d = IncrementalDetokenizer(hf_tokenizer, [], SamplingParams(detokenize=False, max_tokens=2))
-    assert d.append(hf_tokenizer.encode("hello world")) == "" and d.finish_reason == "length"
+    assert d.append(hf_tokenizer.encode("hello world")[:2], finish_reason="length") == ""
+    assert d.finish_reason == "length"
 
 
 def test_logprobs_tracked_and_cut_with_tokens(hf_tokenizer):
     ids = hf_tokenizer.encode("hello world")
     lps = [TokenLogprobs([t, t, 5], [-0.5, -0.5, -1.0], 1) for t in ids]
-    d = IncrementalDetokenizer(hf_tokenizer, [], SamplingParams(logprobs=2, max_tokens=2))
-    d.append(ids, lps)
-    assert len(d.logprobs) == 2 and d.cumulative_logprob == pytest.approx(-1.0)
+    d = IncrementalDetokenizer(hf_tokenizer, [], SamplingParams(logprobs=2, stop=["llo"]))
+    d.append(ids, lps)  # the stop string ends it at "llo": later tokens and their logprobs are dropped
+    assert d.finish_reason == "stop" and len(d.output_token_ids) == len(d.logprobs) == 2 and d.cumulative_logprob == pytest.approx(-1.0)
     entry = d.logprobs[0]
     assert entry[ids[0]].rank == 1 and entry[5].rank == 2 and entry[5].decoded_token == hf_tokenizer.decode([5])
     lp = make_logprob_dict(TokenLogprobs([9, 1, 2], [-3.0, -0.1, -0.2], 7))

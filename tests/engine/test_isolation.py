@@ -36,7 +36,8 @@ def make_llm(folder, **kwargs):
 def assert_pool_full(llm):
     engine = llm.llm_engine
     assert engine.kv_cache_manager.num_free_blocks == engine.runner.num_blocks, "KV blocks leaked"
-    assert not engine.states and not engine.parents and not engine.generators
+    assert not engine.output_processor.states and not engine.output_processor.parents
+    assert not engine.core.sequences and not engine.core.generators
 
 
 def tokens(output):
@@ -68,7 +69,7 @@ def test_a_fault_in_one_request_fails_it_alone(folder, stage, after_calls, async
     expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     victim_id = str(len(PROMPTS) + VICTIM)  # LLM numbers requests on: the second batch starts at len(PROMPTS)
     llm.llm_engine.fault_hook = fail_request(stage, victim_id, after_calls)
-    with caplog.at_level(logging.ERROR, logger="pagoda.engine.llm_engine"):
+    with caplog.at_level(logging.ERROR, logger="pagoda.engine"):
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for i, (want, got) in enumerate(zip(expected, outputs)):
         if i == VICTIM:

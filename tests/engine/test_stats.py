@@ -101,9 +101,10 @@ def test_no_hit_rate_without_prefix_cache_stats(stats_lines):
 
 def test_offline_engine_counts_every_token(folder, stats_lines):
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_num_batched_tokens=16)
-    assert llm.llm_engine.stat_logger is None  # off by default, as vLLM's disable_log_stats=True
+    core = llm.llm_engine.core
+    assert core.stat_logger is None  # off by default, as vLLM's disable_log_stats=True
     clock = FakeClock()
-    stats = llm.llm_engine.stat_logger = StatLogger(llm.llm_engine, interval=1e9, clock=clock)
+    stats = core.stat_logger = StatLogger(core, interval=1e9, clock=clock)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     assert stats_lines() == []
@@ -117,7 +118,8 @@ def test_offline_engine_counts_every_token(folder, stats_lines):
 
 def test_flag_turns_it_on_for_llm(folder):
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, disable_log_stats=False)
-    assert isinstance(llm.llm_engine.stat_logger, StatLogger) and llm.llm_engine.stat_logger.interval == 10.0
+    stat_logger = llm.llm_engine.core.stat_logger
+    assert isinstance(stat_logger, StatLogger) and stat_logger.interval == 10.0
 
 
 def test_async_llm_logs_by_default_while_busy(folder, stats_lines, monkeypatch):

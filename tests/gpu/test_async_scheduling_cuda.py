@@ -55,7 +55,7 @@ def test_tokens_equal_one_step_at_a_time(family, reference):
 
 def test_queuing_a_step_never_waits_for_the_gpu(reference):
     llm = make_llm(reference("qwen3"), async_scheduling=True)
-    engine = llm.llm_engine
+    engine = llm.llm_engine.core
     launch, launched = engine._launch, []
 
     def strict(scheduled):

@@ -26,7 +26,7 @@ def test_bad_json_and_bad_fields(server):
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}), 400,
                  param="max_tokens")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}), 400,
-                 says="temperature")
+                 says="temperature", param="temperature")
     # Values of another JSON type are refused, not coerced.
     for field, value in (("n", "2"), ("stream", 0), ("max_tokens", 2.0), ("temperature", "0.5")):
         assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", field: value}), 400, param=field)
@@ -36,6 +36,18 @@ def test_bad_json_and_bad_fields(server):
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, param="messages")
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}),
                  400)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_outside_the_vocabulary_are_a_400_before_any_stream(server, path, base, stream):
+    """Checked with the other fields: a stream never starts (200) only to
+    end in an error event."""
+    for field, value in (("stop_token_ids", [100000]), ("logit_bias", {"100000": 1.0})):
+        body = dict(base, model=MODEL, max_tokens=2, stream=stream, **{field: value})
+        assert_error(post(server, path, body), 400, param=field, says="outside the vocabulary")
     still_serving(server)
 
 

@@ -22,7 +22,7 @@ def test_stalled_engine_fails_health(model_folder, monkeypatch):
     try:
         time.sleep(0.8)
         assert health(running).status_code == 200  # idle that long is not a stall
-        core = running.engine.engine
+        core = running.engine.engine.core
         release, step = threading.Event(), core.step
 
         def blocked_step():

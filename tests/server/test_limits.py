@@ -49,7 +49,8 @@ def in_thread(server, body, results, name):
 @pytest.fixture
 def one_at_a_time(model_folder, request):
     """A server running one sequence at a time, with slow steps, built from
-    the command line's flags (`pagoda serve ...`)."""
+    the command line's flags (`pagoda serve ...`), its engine core in this
+    process (where the test slows its steps)."""
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.cli_args import engine_args_from_cli
     from pagoda.entrypoints.openai.api_server import make_parser
@@ -57,7 +58,8 @@ def one_at_a_time(model_folder, request):
     flags, app_kwargs = request.param
     args = make_parser().parse_args(["--model", model_folder, "--dtype", "float32", "--kv-cache-space", "0.05",
                                      "--max-num-seqs", "1", *flags])
-    running = RunningServer(AsyncLLM.from_engine_args(engine_args_from_cli(args)), MODEL, **app_kwargs)
+    running = RunningServer(AsyncLLM.from_engine_args(engine_args_from_cli(args), multiprocess=False), MODEL,
+                            **app_kwargs)
     monkeypatch = pytest.MonkeyPatch()
     slow_steps(monkeypatch, running.engine, 0.02)
     yield running

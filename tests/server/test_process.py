@@ -127,8 +127,9 @@ def test_drain_is_bounded(model_folder):
     assert "Traceback" not in stderr and "incomplete" not in stderr, stderr
 
 
-# The real server whose model runner fails on its first step, as a device
-# fault would: no request can be blamed, so the engine dies.
+# The real server (engine core in a thread, where the test can reach it)
+# whose model runner fails on its first step, as a device fault would: no
+# request can be blamed, so the engine dies.
 FAILING_DEVICE = """
 import sys
 from pagoda.engine.async_llm import AsyncLLM
@@ -137,8 +138,8 @@ from pagoda.entrypoints.openai import api_server
 build = AsyncLLM.from_engine_args
 
 
-def with_failing_device(args):
-    engine = build(args)
+def with_failing_device(args, **kwargs):
+    engine = build(args, **kwargs)
 
     def execute(*_, **__):
         raise RuntimeError("simulated device fault")
@@ -155,7 +156,7 @@ api_server.main(sys.argv[1:])
 def test_dead_engine_exits_1(model_folder):
     """The request in flight gets 503, then the server shuts down and exits
     1, so a supervisor restarts it."""
-    proc, url = start(model_folder, server=("-c", FAILING_DEVICE))
+    proc, url = start(model_folder, "--in-process-engine", server=("-c", FAILING_DEVICE))
     try:
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2}, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error", r.text
@@ -166,6 +167,78 @@ def test_dead_engine_exits_1(model_folder):
         proc.wait()
     assert "the engine died" in stderr and "simulated device fault" in stderr, stderr
     assert "shut down cleanly" not in stderr
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` spawned for Pagoda (not multiprocessing's resource tracker)."""
+    found = [int(c) for task in os.listdir(f"/proc/{pid}/task")
+             for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    return [c for c in found if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def test_a_killed_engine_core_process_makes_the_server_exit_1(model_folder):
+    """The engine core runs in its own process: killed mid-stream, the
+    stream ends with an error event, /health answers 503, and the server
+    drains and exits 1; nothing is left running."""
+    proc, url = start(model_folder)
+    try:
+        (core,) = children(proc.pid)
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(core, signal.SIGKILL)
+            rest = list(lines)
+        events = [line for line in rest if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+        assert proc.wait(60) == 1
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "the engine died" in stderr and "exited" in stderr, stderr
+    assert "shut down cleanly" not in stderr
+
+
+def test_sigterm_stops_the_engine_core_process_too(model_folder):
+    proc, url = start(model_folder)
+    try:
+        (core,) = children(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(core, 0)
+
+
+def test_several_api_servers_front_one_engine_core(model_folder):
+    """--api-server-count 2: both processes answer on one port, before one
+    engine core; SIGTERM drains them all and exits 0."""
+    proc, url = start(model_folder, "--api-server-count", "2")
+    try:
+        launched = children(proc.pid)
+        assert len(launched) == 3  # the core and two API servers
+        for i in range(24):  # each a new connection: the kernel spreads them over both
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5, i + 1], "max_tokens": 3,
+                                                          "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    answered = [line for line in stderr.splitlines() if "POST /v1/completions 200" in line]
+    assert len(answered) == 24, stderr
+    for i in range(2):  # the request log names the process that answered
+        assert any(f"(pagoda-api-server-{i})" in line for line in answered), answered
+    for pid in launched:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -1,39 +1,49 @@
-"""AsyncLLM (vLLM's name): the LLMEngine behind an asyncio streaming API, for
+"""AsyncLLM (vLLM's name): the engine behind an asyncio streaming API, for
 servers. `async for output in llm.generate(prompt, params, request_id)` yields
 RequestOutputs as tokens arrive; many callers stream concurrently, each
 sharing the engine's continuous batching.
 
-Threads. The engine steps in one background thread and only that thread ever
-touches the LLMEngine (so the engine needs no locks):
-  - a model step is long CPU work (tens of ms to seconds); run on the event
-    loop it would freeze every connection for that long. In a thread the loop
-    keeps serving, since torch releases the GIL inside its kernels and Python
-    switches threads every few ms otherwise. (A separate process, as vLLM v1
-    uses, would also isolate the GIL; a thread is enough for this in-process
-    engine and keeps outputs as plain objects.)
-  - requests and aborts reach the engine thread through a queue.Queue; the
-    thread blocks on it when it has no work (no busy spin);
-  - outputs go back to each caller's event loop with loop.call_soon_threadsafe
-    into that request's asyncio.Queue.
+The front end lives here: tokenization and checks (Processor), then
+detokenization, stop strings and outputs (OutputProcessor). The engine core
+(scheduler, model, sampler) runs either
+  - in its own process (multiprocess=True, what `pagoda serve` runs, vLLM v1's
+    design): the model steps in an interpreter of its own, so the GIL never
+    makes the GPU wait for HTTP, tokenization or streaming; one message per
+    step brings every request's new token ids (MPClient), or
+  - in a thread of this process (the default here, and from_engine): simpler
+    to debug and to look inside in tests (InprocClient).
+
+Outputs of a step are processed on the client's thread under one lock and
+handed to each caller's event loop in one call per loop per step. A caller
+that falls behind gets its outputs merged (a delta stream receives the new
+tokens of several steps as one output), so a slow consumer costs one
+wake-up, not one per token.
+
 A request that fails inside a step fails alone: its caller gets
-RequestFailedError and the engine serves on. If the engine itself raises,
-every waiter gets EngineDeadError (not a hang) and later calls fail at once. The thread also keeps a heartbeat (when it last finished a
-step while busy), so check_health() can tell a stalled engine from a busy one.
+RequestFailedError and the engine serves on. If the engine core itself dies,
+every waiter gets EngineDeadError (not a hang) and later calls fail at once.
+check_health() also tells a stalled engine (work pending, no step finished
+for a while) from a busy one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import atexit
+import dataclasses
 import threading
 import time
-from dataclasses import dataclass, replace
+import weakref
+from collections import defaultdict
 from typing import Any, AsyncIterator
 
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.core_client import EngineCoreDiedError, InprocClient, MPClient, start_engine_core
+from pagoda.engine.core_messages import EngineCoreOutputs, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.output_processor import IterationStats, OutputProcessor, OutputProcessorResult
+from pagoda.engine.processor import Processor, eos_token_ids, front_end_model_config, load_tokenizer
 from pagoda.logger import init_logger
-from pagoda.metrics import StatLogger
 from pagoda.outputs import CompletionOutput, RequestOutput, RequestOutputKind  # noqa: F401 -- re-exported
 from pagoda.sampling_params import SamplingParams
 
@@ -41,8 +51,9 @@ logger = init_logger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an exception in a step, or shutdown()); the
-    AsyncLLM must be recreated. __cause__ holds the original exception."""
+    """The engine stopped (a fault no request explains, its process ended,
+    or shutdown()); the AsyncLLM must be recreated. __cause__ holds the
+    original exception."""
 
 
 class RequestFailedError(RuntimeError):
@@ -51,82 +62,160 @@ class RequestFailedError(RuntimeError):
 
 
 class EngineStalledError(RuntimeError):
-    """The engine loop is alive and has work but has not finished a step for
+    """The engine is alive and has work but has not finished a step for
     longer than the caller allows (a hung kernel, a deadlock)."""
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams | None
-    priority: int
-    stream: _Stream  # the caller waiting for it (an id may be reused after an abort)
-    arrival_time: float  # time.time() when the caller asked: queue time includes waiting for the engine thread
+class _Collector:
+    """Where one request's outputs wait for its caller (on the caller's
+    loop): at most one pending item; a newer output merges into it (deltas
+    concatenated, cumulative replaced), an exception replaces it."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.delta and isinstance(self.item, RequestOutput) and isinstance(item, RequestOutput):
+            item = _merge_deltas(self.item, item)
+        elif isinstance(self.item, BaseException):
+            return  # the request is over
+        self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.item is None:
+            await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        return item
 
 
-@dataclass
-class _Abort:
-    request_id: str
-    stream: _Stream | None = None  # set when the caller itself went away (its stream is already closed)
-
-
-_STOP = object()  # tells the engine thread to exit
-
-
-@dataclass
-class _Stream:
-    """Where a request's outputs go: its caller's loop and queue."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput, or an exception to raise in the caller
+def _merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    outputs = []
+    for a, b in zip(old.outputs, new.outputs):
+        logprobs = b.logprobs if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
+        outputs.append(dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                                           logprobs=logprobs))
+    return dataclasses.replace(new, outputs=outputs)
 
 
 class AsyncLLM:
-    """AsyncLLM(model, **engine_args) with LLM's arguments (EngineArgs), or
-    AsyncLLM.from_engine(engine) around an existing LLMEngine. Stats logging
-    is on by default (disable_log_stats=True turns it off).
+    """AsyncLLM(model, **engine_args) with LLM's arguments (EngineArgs);
+    multiprocess=True runs the engine core in its own process.
+    AsyncLLM.from_engine(engine) wraps an existing LLMEngine (in process).
+    Stats logging is on by default (disable_log_stats=True turns it off).
 
-    stat_loggers: objects with record(outputs: list[RequestOutput]), called in
-    the engine thread with every step's outputs and with the final output of
-    each aborted request (e.g. the server's PrometheusStatLogger)."""
+    stat_loggers: objects with record(stats: IterationStats), called on the
+    client's thread after each step's outputs and each abort (e.g. the
+    server's PrometheusStatLogger)."""
 
-    def __init__(self, model: str, disable_log_stats: bool = False, stats_interval: float = 10.0, **engine_args):
+    def __init__(self, model: str, disable_log_stats: bool = False, stats_interval: float = 10.0,
+                 multiprocess: bool = False, **engine_args):
         args = EngineArgs(model=model, disable_log_stats=disable_log_stats, stats_interval=stats_interval, **engine_args)
-        self._start(args.create_engine())
+        if multiprocess:
+            self._start_process(args)
+        else:
+            self._start_inproc(args.create_engine())
 
     @classmethod
-    def from_engine(
-        cls, engine: LLMEngine, disable_log_stats: bool = False, stats_interval: float = 10.0
-    ) -> AsyncLLM:
+    def from_engine(cls, engine: LLMEngine, disable_log_stats: bool = False,
+                    stats_interval: float = 10.0) -> AsyncLLM:
         self = cls.__new__(cls)
-        if not disable_log_stats and engine.stat_logger is None:
-            engine.stat_logger = StatLogger(engine, stats_interval)
-        self._start(engine)
+        if not disable_log_stats and engine.core.stat_logger is None:
+            from pagoda.metrics import StatLogger
+
+            engine.core.stat_logger = StatLogger(engine.core, stats_interval)
+        self._start_inproc(engine)
         return self
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls.from_engine(args.create_engine(), disable_log_stats=True)  # args decided stats logging
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = True, core_address: str | None = None,
+                         core_pid: int | None = None, client_index: int = 0) -> AsyncLLM:
+        """With multiprocess, a new engine-core process -- or, given
+        core_address and core_pid, a front end of one already running (an
+        API server process beside others; client_index tells them apart)."""
+        self = cls.__new__(cls)
+        if not multiprocess:
+            self._start_inproc(args.create_engine())
+        else:
+            self._start_process(args, core_address, core_pid, client_index)
+        return self
 
-    def _start(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_config = engine.model_config
-        self._commands: queue.Queue = queue.Queue()
-        # Guards _streams and _dead: a generate() that registers a stream and
-        # the engine thread that fails all streams see each other's changes.
+    # --- start-up ---------------------------------------------------------------
+
+    def _init_front_end(self, model_config, tokenizer, processor: Processor, output_processor: OutputProcessor,
+                        scheduling_policy: str, client_index: int) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.output_processor = output_processor
+        self.scheduling_policy = scheduling_policy
+        self.client_index = client_index
+        # Guards the output processor and the collectors: callers add and
+        # abort from their loops while the client's thread processes outputs.
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._collectors: dict[str, tuple[asyncio.AbstractEventLoop, _Collector]] = {}
         self._dead: BaseException | None = None
+        self._woke = time.monotonic()  # when work last arrived at an idle engine
         self.stat_loggers: list = []
-        # Written by the engine thread only: busy = it has work (not blocked
-        # waiting for a command); heartbeat = time.monotonic() it last woke up
-        # or finished a step.
-        self._busy = False
-        self._heartbeat = time.monotonic()
-        self._thread = threading.Thread(target=self._engine_loop, name="pagoda-engine", daemon=True)
-        self._thread.start()
+        self._scheduler_stats = SchedulerStats()  # the core's, after its latest step
+
+    def _start_inproc(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._init_front_end(engine.model_config, engine.tokenizer, engine.processor, engine.output_processor,
+                             engine.scheduler.policy, 0)
+        self.client = InprocClient(engine.core, self._on_outputs, self._on_dead)
+        self.client.start()
+
+    def _start_process(self, args: EngineArgs, core_address: str | None = None, core_pid: int | None = None,
+                       client_index: int = 0) -> None:
+        self.engine = None  # the core is in another process
+        model_config = front_end_model_config(args)
+        tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
+        process = socket_dir = None
+        if core_address is None:
+            process, core_address, socket_dir = start_engine_core(args, eos_token_ids(model_config, tokenizer))
+        self._init_front_end(model_config, tokenizer, Processor(model_config, tokenizer), OutputProcessor(tokenizer),
+                             args.scheduling_policy, client_index)
+        try:
+            self.client = MPClient(core_address, self._on_outputs, self._on_dead, client_index, core_pid, process,
+                                   socket_dir)
+        except BaseException:
+            if process is not None:
+                process.kill()
+            raise
+        # Start-up decided these in the core (max_model_len may be fitted to the KV cache).
+        model_config.max_model_len = self.client.ready.max_model_len
+        self.client.start()
+        if process is not None:
+            # A caller that never calls shutdown() must not leave the core
+            # running (it ignores SIGTERM, so multiprocessing's own exit
+            # handler would wait for it forever).
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
+
+    @property
+    def ready(self):
+        """What the engine core's start-up decided: max_model_len, KV blocks,
+        block size, async scheduling, dtype, device."""
+        return self.client.ready
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The engine core's running/waiting sequences, KV blocks, prefix
+        cache and preemption counts: read now from a core in this process
+        (plain ints), else as its latest step's message brought them."""
+        return self.engine.core.stats() if self.engine is not None else self._scheduler_stats
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine-core process (None: the core runs in this process)."""
+        return getattr(self.client, "core_pid", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
 
     # --- the caller's side (event loop) ---------------------------------------
 
@@ -144,57 +233,69 @@ class AsyncLLM:
         aborts the request and frees its blocks (after a `break` that happens
         when the iterator is garbage-collected -- at once in CPython; `await
         it.aclose()` to be explicit)."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._raise_if_dead()
+        state, core_requests = self.processor.process(request_id, prompt, sampling_params, time.time(), priority,
+                                                      output_kind, self.client_index)
+        collector = _Collector(output_kind is RequestOutputKind.DELTA)
         with self._lock:
             self._raise_if_dead()
-            if request_id in self._streams:
+            if request_id in self._collectors:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, sampling_params, priority, stream, time.time()))
+            if not self.output_processor.has_unfinished_requests():
+                self._woke = time.monotonic()
+            self.output_processor.add_request(state)
+            self._collectors[request_id] = (asyncio.get_running_loop(), collector)
+        self.client.add_requests(core_requests)
         finished = False
-        sent_by_index: dict[int, CompletionOutput] = {}
         try:
             while not finished:
-                item = await stream.queue.get()
-                # Outputs are cumulative, so when the caller fell behind only
-                # the newest matters (deltas are computed from what was sent).
-                while not stream.queue.empty() and not isinstance(item, BaseException):
-                    item = stream.queue.get_nowait()
+                item = await collector.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped the request
                     raise item
                 finished = item.finished
-                if output_kind is RequestOutputKind.FINAL_ONLY and not finished:
-                    continue
-                if output_kind is RequestOutputKind.DELTA:
-                    deltas = [_delta(c, sent_by_index.get(c.index)) for c in item.outputs]
-                    sent_by_index = {c.index: c for c in item.outputs}
-                    item = replace(item, outputs=deltas)
                 yield item
         finally:
             if not finished:  # cancelled or abandoned: free its KV blocks
-                with self._lock:
-                    if self._streams.get(request_id) is stream:
-                        del self._streams[request_id]
-                self._commands.put(_Abort(request_id, stream))
+                self._abort(request_id, notify=False)
 
     def abort(self, request_id: str) -> None:
         """Ends a request: its stream's last output has finish_reason
         "abort" and the partial text. A no-op for unknown or finished ids.
         Safe from any thread."""
-        self._commands.put(_Abort(request_id))
+        self._abort(request_id, notify=True)
 
     def abort_all(self) -> None:
         """Aborts every request in flight (a server's bounded drain at
         shutdown): each stream ends as abort() ends it."""
         with self._lock:
-            request_ids = list(self._streams)
+            request_ids = list(self._collectors)
         for request_id in request_ids:
             self.abort(request_id)
 
+    def _abort(self, request_id: str, notify: bool) -> None:
+        with self._lock:
+            result = self.output_processor.abort_requests([request_id])
+            entry = self._collectors.pop(request_id, None)
+        self.client.abort_requests(result.reqs_to_abort)
+        self._record(result.stats)
+        if notify and entry is not None and result.request_outputs:
+            _post(*entry, result.request_outputs[0])
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._collectors)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Sequences accepted but not running yet: those the front end has
+        sent, less those the core last said run (a snapshot: all admission
+        needs)."""
+        return max(0, len(self.output_processor.parents) - self.scheduler_stats.num_running)
+
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        return self.client.is_alive() and self._dead is None
 
     @property
     def errored(self) -> bool:
@@ -205,15 +306,14 @@ class AsyncLLM:
         return self._dead
 
     def check_health(self, max_stall: float | None = None) -> None:
-        """Raises EngineDeadError when the engine loop is not serving, and
+        """Raises EngineDeadError when the engine is not serving, and
         EngineStalledError when it has work but has not finished a step for
         more than max_stall seconds (None: no stall check)."""
-        with self._lock:
-            self._raise_if_dead()
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread is not running")
-        if max_stall is not None and self._busy:
-            stalled = time.monotonic() - self._heartbeat
+        self._raise_if_dead()
+        if not self.client.is_alive():
+            raise EngineDeadError("the engine core is not running")
+        if max_stall is not None and self.output_processor.has_unfinished_requests():
+            stalled = time.monotonic() - max(self.client.heartbeat, self._woke)
             if stalled > max_stall:
                 raise EngineStalledError(
                     f"the engine has not completed a step for {stalled:.1f} s while requests are pending")
@@ -222,12 +322,10 @@ class AsyncLLM:
         return self.tokenizer
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stops the engine thread (after its current step); pending streams
+        """Stops the engine core (after its current step); pending streams
         get EngineDeadError. Idempotent."""
-        self._commands.put(_STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        self._fail_all(EngineDeadError("the AsyncLLM was shut down"))
+        self.client.shutdown(timeout)
+        self._on_dead(EngineDeadError("the AsyncLLM was shut down"))
 
     def __enter__(self) -> AsyncLLM:
         return self
@@ -239,132 +337,68 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead!r}") from self._dead
 
-    # --- the engine thread ------------------------------------------------------
+    # --- the client's thread ------------------------------------------------------
 
-    def _engine_loop(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                # Block only when idle; with work in flight just drain what came in.
-                if engine.has_unfinished_requests():
-                    command = self._next_command()
-                else:
-                    self._busy = False
-                    command = self._commands.get()
-                    # Heartbeat before busy: no reader sees busy with an idle-time heartbeat.
-                    self._heartbeat = time.monotonic()
-                    self._busy = True
-                while command is not None:
-                    if command is _STOP:
-                        return
-                    self._apply(command)
-                    command = self._next_command()
-                if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
-                    self._heartbeat = time.monotonic()
-        except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
-            logger.exception("the engine loop failed; failing every request")
-            self._fail_all(EngineDeadError(f"the engine loop failed: {exc!r}"), cause=exc)
-
-    def _next_command(self):
-        try:
-            return self._commands.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _apply(self, command) -> None:
-        if isinstance(command, _Abort):
-            self._abort(command)
-            return
-        stream = command.stream
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self._scheduler_stats = outputs.stats
+        posts: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         with self._lock:
-            if self._streams.get(command.request_id) is not stream:
-                return  # aborted before it reached the engine
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time, priority=command.priority)
-        except Exception as exc:  # a bad request fails its caller, not the engine
-            with self._lock:
-                self._streams.pop(command.request_id, None)
-            _post(stream, exc)
+            result: OutputProcessorResult = self.output_processor.process_outputs(outputs.outputs)
+            for output in result.request_outputs:
+                entry = (self._collectors.pop(output.request_id, None) if output.finished
+                         else self._collectors.get(output.request_id))
+                if entry is not None:
+                    loop, collector = entry
+                    posts[loop].append((collector, output if output.error is None else RequestFailedError(output.error)))
+        self.client.abort_requests(result.reqs_to_abort)
+        self._record(result.stats)
+        for loop, batch in posts.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # its loop is closed: nobody is listening
+                for collector, item in batch:
+                    if isinstance(item, RequestOutput) and not item.finished:
+                        self._abort(item.request_id, notify=False)
 
-    def _abort(self, command: _Abort) -> None:
-        output = self._abort_in_engine(command.request_id)
-        if command.stream is not None:
-            return  # the caller is gone: nobody to tell
+    def _on_dead(self, exc: BaseException) -> None:
         with self._lock:
-            stream = self._streams.pop(command.request_id, None)
-        if stream is not None:
-            # Its final output (finished, "abort"). None: the abort overtook
-            # the request's own _Add (sent from another thread).
-            _post(stream, output if output is not None else
-                  RuntimeError(f"request {command.request_id!r} was aborted before it started"))
+            if self._dead is None:
+                self._dead = exc
+            entries, self._collectors = list(self._collectors.values()), {}
+            self.output_processor.fail_all()
+        error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine died: {exc}")
+        for loop, collector in entries:
+            # One exception object per waiter: each raise writes its own traceback.
+            waiter_error = EngineDeadError(*error.args)
+            waiter_error.__cause__ = None if exc is error else exc
+            _post(loop, collector, waiter_error)
 
-    def _abort_in_engine(self, request_id: str) -> RequestOutput | None:
-        """Aborts in the engine; returns the request's final output (None if
-        the engine does not know it), which the stat loggers see too."""
-        state = self.engine.states.get(request_id)
-        self.engine.abort_request(request_id)
-        if state is None:
-            return None
-        output = state.output()
-        self._record([output])
-        return output
-
-    def _record(self, outputs: list[RequestOutput]) -> None:
+    def _record(self, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(outputs)
+                stat_logger.record(stats)
             except Exception:  # noqa: BLE001 -- a metrics bug must not kill the engine
                 logger.exception("stat logger %r failed", stat_logger)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._record(outputs)
-        for output in outputs:
-            for completion in output.outputs:
-                if completion.logprobs is not None:
-                    # The detokenizer keeps appending to this list in this thread.
-                    completion.logprobs = list(completion.logprobs)
-            with self._lock:
-                # A caller that left just now has removed its stream itself.
-                stream = (self._streams.pop(output.request_id, None) if output.finished
-                          else self._streams.get(output.request_id))
-            if stream is not None and output.error is not None:
-                _post(stream, RequestFailedError(output.error))
-            elif stream is not None and not _post(stream, output):
-                self._abort_in_engine(output.request_id)  # its loop is gone
 
-    def _fail_all(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = cause or error
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            # One exception object per waiter: each raise writes its own traceback.
-            waiter_error = EngineDeadError(*error.args)
-            waiter_error.__cause__ = cause
-            _post(stream, waiter_error)
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.shutdown(timeout=10.0)
 
 
-def _post(stream: _Stream, item) -> bool:
-    """Hands an output or an exception to a caller's loop; False if that loop is closed."""
+def _deliver(batch: list) -> None:
+    for collector, item in batch:
+        collector.put(item)
+
+
+def _post(loop: asyncio.AbstractEventLoop, collector: _Collector, item) -> None:
+    """Hands an output or an exception to a caller's loop (if it still runs)."""
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        return True
+        loop.call_soon_threadsafe(collector.put, item)
     except RuntimeError:
-        return False
+        pass
 
 
-def _delta(current: CompletionOutput, previous: CompletionOutput | None) -> CompletionOutput:
-    """What `current` adds to `previous` (both cumulative; text only grows)."""
-    if previous is None:
-        return current
-    logprobs = current.logprobs
-    if logprobs is not None and previous.logprobs is not None:
-        logprobs = logprobs[len(previous.logprobs):]
-    return replace(
-        current,
-        text=current.text[len(previous.text):],
-        token_ids=current.token_ids[len(previous.token_ids):],
-        logprobs=logprobs,
-    )
+__all__ = ["AsyncLLM", "EngineCoreDiedError", "EngineDeadError", "EngineStalledError", "RequestFailedError",
+           "RequestOutputKind"]

@@ -1,8 +1,9 @@
-"""Per-request output handling: incremental detokenization, stop conditions
-(EOS, stop token ids, stop strings, max_tokens) and sample logprobs.
+"""Per-completion output handling in the front end: incremental
+detokenization, stop strings and sample logprobs.
 
 One `IncrementalDetokenizer` per completion; the output processor calls
-`append(new_token_ids, new_logprobs)` each step and streams what it returns.
+`append(new_token_ids, new_logprobs, finish_reason)` with what the engine core
+sent each step and streams what it returns.
 """
 
 from __future__ import annotations
@@ -110,19 +111,17 @@ def partial_stop_len(text: str, stop: Sequence[str]) -> int:
 
 
 class IncrementalDetokenizer:
-    """Output text, token ids, logprobs and finish state of one completion.
+    """Output text, token ids, logprobs and finish state of one completion,
+    from the token ids the engine core sends. The core decides token-level
+    stops (EOS, stop token ids, max_tokens, ...) and says so with the token
+    that ends the sequence; stop strings are found here, in the text.
 
-    tokenizer may be None (or params.detokenize False): then no text, but stop
-    token ids, EOS and max_tokens still end the request."""
+    tokenizer may be None (or params.detokenize False): then no text and no
+    stop strings, only ids and finish reasons."""
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 eos_token_ids: Sequence[int] | int | None = ()):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
         self.tokenizer = tokenizer
         self.params = params
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
-        self.eos_token_ids = frozenset(() if params.ignore_eos or eos_token_ids is None else eos_token_ids)
-        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.decoder = _Decoder(tokenizer, prompt_token_ids, params) if tokenizer is not None and params.detokenize else None
         self.output_token_ids: list[int] = []
         self.output_text = ""  # everything decoded, cut at a stop string
@@ -143,51 +142,55 @@ class IncrementalDetokenizer:
         """The text a stream has shown so far (all of it once finished)."""
         return self.output_text[: self._streamed]
 
-    def append(self, token_ids: Sequence[int], logprobs: Sequence | None = None) -> str:
-        """Add this step's sampled tokens (usually one) and their TokenLogprobs
-        (from the sampler, or None). Returns the new text safe to stream. Tokens
-        after the one that finishes the request are dropped."""
+    @property
+    def num_visible_chars(self) -> int:
+        return self._streamed
+
+    def append(self, token_ids: Sequence[int], logprobs: Sequence | None = None, finish_reason: str | None = None,
+               stop_reason: int | None = None) -> str:
+        """Add a step's new tokens from the core (usually one), their
+        TokenLogprobs (or None), and how the core ended the sequence with the
+        last of them, if it did: "stop" means the last token is EOS or the
+        stop token id `stop_reason`, whose text is shown only with
+        include_stop_str_in_output. Returns the new text safe to stream.
+        Tokens after a stop string are dropped."""
+        last = len(token_ids) - 1
         for i, tid in enumerate(token_ids):
             if self.finished:
                 break
-            self._append_one(tid, None if logprobs is None else logprobs[i])
+            self._append_one(tid, None if logprobs is None else logprobs[i], i == last and finish_reason == "stop")
+        if finish_reason is not None and not self.finished:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason
+            self._flush()
         return self._take_delta()
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> str:
-        """End it from outside (abort, timeout, max_model_len -> "length").
+        """End it from outside (abort, timeout, an error).
         Returns the remaining text to stream. No-op once finished."""
         if not self.finished:
             self.finish_reason, self.stop_reason = reason, stop_reason
             self._flush()
         return self._take_delta()
 
-    def _append_one(self, tid: int, token_logprobs) -> None:
+    def _append_one(self, tid: int, token_logprobs, is_stop_token: bool) -> None:
         params = self.params
         self.output_token_ids.append(tid)
         if self.logprobs is not None and token_logprobs is not None:
             self.logprobs.append(make_logprob_dict(token_logprobs, self.tokenizer))
             self.cumulative_logprob += token_logprobs.logprobs[0]
-        n = len(self.output_token_ids)
-        can_stop = n > params.min_tokens  # the sampler masks stops before that
-        if can_stop and (tid in self.eos_token_ids or tid in self.stop_token_ids):
+        if is_stop_token:
             # The stop token's own text is shown only on request (vLLM).
             if params.include_stop_str_in_output:
                 self._add_text(tid)
-            self.finish_reason = "stop"
-            self.stop_reason = tid if tid in self.stop_token_ids else None
-            self._flush()
             return
         new_chars = self._add_text(tid)
-        if can_stop and params.stop and new_chars:
+        if params.stop and new_chars and len(self.output_token_ids) > params.min_tokens:
             hit = find_stop_string(self.output_text, new_chars, params.stop)
             if hit is not None:
                 s, start = hit
                 self.output_text = self.output_text[: start + len(s) if params.include_stop_str_in_output else start]
                 self.finish_reason, self.stop_reason = "stop", s
-                return  # text after a stop string is cut, so nothing to flush
-        if params.max_tokens is not None and n >= params.max_tokens:
-            self.finish_reason = "length"
-            self._flush()
+                # Text after a stop string is cut, so nothing to flush.
 
     def _add_text(self, tid: int) -> int:
         if self.decoder is None:

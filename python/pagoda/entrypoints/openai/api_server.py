@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 
 import h11
@@ -32,7 +33,8 @@ from starlette.routing import Route
 
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, non_negative_int, positive_float
+from pagoda.entrypoints.cli_args import (add_engine_args, engine_args_from_cli, non_negative_int, positive_float,
+                                         positive_int)
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.openapi import Endpoint, openapi_schema
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -43,7 +45,7 @@ from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_engine import ServerState, now, with_cancellation
 from pagoda.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, tokenize_schema
-from pagoda.logger import init_logger
+from pagoda.logger import init_logger, tag_process_logs
 from pagoda.prometheus import PrometheusStatLogger
 
 logger = init_logger("pagoda.server")
@@ -248,6 +250,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=non_negative_int, default=None,
                    help="generation requests get 503 (with Retry-After) while this many engine requests (one per "
                         "prompt) wait to run (SGLang's name; default: no bound)")
+    p.add_argument("--api-server-count", type=positive_int, default=1,
+                   help="API server processes (HTTP, tokenization, detokenization, streaming) in front of the one "
+                        "engine core, sharing the port (vLLM's name)")
+    p.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine core in a thread of the API server process, not in a process of its own "
+                        "(the GIL then shares one interpreter between the model and HTTP: for debugging)")
     p.add_argument("--stream-send-timeout", type=positive_float, default=30.0,
                    help="a stream whose client has not read a chunk for this many seconds is aborted and its "
                         "connection closed")
@@ -325,26 +333,45 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--engine-stall-timeout and --timeout-graceful-shutdown must be >= 0 seconds")
     if args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init: the server needs the tokenizer (text prompts, chat, /tokenize)")
+    if args.api_server_count > 1 and args.in_process_engine:
+        parser.error("--api-server-count > 1 needs the engine core in its own process (drop --in-process-engine)")
     os.chdir(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()))  # relative paths as the user typed them
-    chat_template = args.chat_template
-    if chat_template is not None and os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            chat_template = f.read()
+    if args.chat_template is not None and os.path.isfile(args.chat_template):
+        with open(args.chat_template) as f:
+            args.chat_template = f.read()
     try:
-        engine = AsyncLLM.from_engine_args(engine_args_from_cli(args))
+        engine_args = engine_args_from_cli(args)
+    except ValueError as exc:
+        raise SystemExit(f"pagoda serve: error: {exc}") from None
+    if args.api_server_count > 1:
+        raise SystemExit(serve_with_api_servers(args, engine_args))
+    raise SystemExit(serve(args, engine_args))
+
+
+def serve(args: argparse.Namespace, engine_args, core: tuple[str, int, int] | None = None,
+          sock: socket.socket | None = None) -> int:
+    """One API server: its engine (a new engine-core process, a thread with
+    --in-process-engine, or the running core given as (address, pid,
+    client index)), served until SIGTERM or the engine's death. Returns
+    the exit status: 0 after a clean drain, 1 when the engine died."""
+    address, pid, index = core if core is not None else (None, None, 0)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args, multiprocess=not args.in_process_engine, core_address=address,
+                                           core_pid=pid, client_index=index)
     except (ValueError, OSError) as exc:  # bad flags or model files: one line, no traceback
         raise SystemExit(f"pagoda serve: error: {exc}") from None
     model = engine.model_config.model
     names = args.served_model_name or [args.model or os.path.basename(model)]
     log_requests = not (args.disable_log_requests or args.disable_uvicorn_access_log)
-    app = build_app(engine, names, api_key=args.api_key, chat_template=chat_template, log_requests=log_requests,
+    app = build_app(engine, names, api_key=args.api_key, chat_template=args.chat_template, log_requests=log_requests,
                     allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None,
                     max_queued_requests=args.max_queued_requests, stream_send_timeout=args.stream_send_timeout)
-    core = engine.engine
-    logger.info("serving %s as %s: dtype %s, max_model_len %d, KV cache %d tokens, on http://%s:%d",
-                model, names[0], str(engine.model_config.torch_dtype).removeprefix("torch."),
-                engine.model_config.max_model_len, core.runner.num_blocks * core.kv_cache_manager.block_size,
-                args.host, args.port)
+    ready = engine.ready
+    if index == 0:
+        where = "in this process" if engine.core_pid is None else f"in process {engine.core_pid}"
+        logger.info("serving %s as %s: dtype %s on %s, max_model_len %d, KV cache %d tokens, engine core %s, "
+                    "on http://%s:%d", model, names[0], ready.dtype, ready.device, ready.max_model_len,
+                    ready.num_blocks * ready.block_size, where, args.host, args.port)
     # SIGTERM/SIGINT: the server drains (DrainingServer), then uvicorn
     # re-raises the signal; this handler makes that a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -352,13 +379,81 @@ def main(argv: list[str] | None = None) -> None:
     config = server_config(app, args.host, args.port,
                            timeout_graceful_shutdown=args.timeout_graceful_shutdown + ABORT_GRACE_S)
     try:
-        DrainingServer(config, engine, args.timeout_graceful_shutdown).run()
+        DrainingServer(config, engine, args.timeout_graceful_shutdown).run(sockets=None if sock is None else [sock])
         died = engine.errored  # read before shutdown(), which stops it for good
     finally:
         engine.shutdown(timeout=ABORT_GRACE_S)
     if died:
-        raise SystemExit(1)
+        return 1
     logger.info("shut down cleanly")
+    return 0
+
+
+def serve_with_api_servers(args: argparse.Namespace, engine_args) -> int:
+    """--api-server-count N: one engine-core process and N API server
+    processes accepting on one listening socket, each tokenizing,
+    detokenizing and streaming for its own connections. SIGTERM drains them
+    all; if the core or any API server dies, the rest shut down and the
+    exit status is 1."""
+    import multiprocessing
+    import multiprocessing.connection
+
+    from pagoda.engine.core_client import start_engine_core, stop_engine_core
+    from pagoda.engine.processor import front_end_model_config, eos_token_ids, load_tokenizer
+
+    try:
+        model_config = front_end_model_config(engine_args)
+        core, address, socket_dir = start_engine_core(engine_args, eos_token_ids(model_config,
+                                                                                 load_tokenizer(model_config)))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagoda serve: error: {exc}") from None
+    # Each API server listens on a socket of its own bound to one port
+    # (SO_REUSEPORT): the kernel spreads new connections over them. This one
+    # only holds the port (it never listens) until they have bound it.
+    reserved = reuse_port_socket(args.host, args.port)
+    port = reserved.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    servers = [context.Process(target=_api_server_process, args=(args, engine_args, (address, core.pid, i), port),
+                               name=f"pagoda-api-server-{i}") for i in range(args.api_server_count)]
+    stopping = False
+
+    def stop(*_) -> None:
+        nonlocal stopping
+        stopping = True
+        for server in servers:
+            if server.is_alive():
+                os.kill(server.pid, signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    for server in servers:
+        server.start()
+    logger.info("%d API server processes on http://%s:%d in front of engine core process %d", len(servers),
+                args.host, port, core.pid)
+    while any(server.is_alive() for server in servers):
+        multiprocessing.connection.wait([s.sentinel for s in servers if s.is_alive()] + [core.sentinel], timeout=1.0)
+        failed = not core.is_alive() or any(s.exitcode not in (None, 0) for s in servers)
+        if failed and not stopping:
+            logger.error("an API server or the engine core stopped: shutting the others down, to exit with status 1")
+            stop()
+    reserved.close()
+    stop_engine_core(core, address, socket_dir)
+    return 0 if all(s.exitcode == 0 for s in servers) and core.exitcode == 0 else 1
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _api_server_process(args: argparse.Namespace, engine_args, core: tuple[str, int, int], port: int) -> None:
+    tag_process_logs()
+    sock = reuse_port_socket(args.host, port)
+    sock.listen(2048)
+    raise SystemExit(serve(args, engine_args, core, sock))
 
 
 if __name__ == "__main__":

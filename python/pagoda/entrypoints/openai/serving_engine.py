@@ -20,7 +20,7 @@ from pagoda.entrypoints.openai.errors import APIError
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.prometheus import PrometheusStatLogger
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import DEFAULTS, SamplingParams
 
 logger = init_logger("pagoda.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells clients to wait
@@ -42,11 +42,9 @@ class ServerState:
 
     @property
     def num_queued_requests(self) -> int:
-        """Engine requests accepted but not running yet. Read from the engine
-        thread's state without a lock: a snapshot, which is all admission
-        needs. Each running child of an n > 1 request counts as one running
-        request, so with n > 1 this undercounts the queue (admits more)."""
-        return max(0, len(self.engine._streams) - self.engine.engine.scheduler.num_running)
+        """Engine sequences accepted but not running yet (a snapshot, which
+        is all admission needs)."""
+        return self.engine.num_waiting_requests
 
 
 def check_model(state: ServerState, model: str | None) -> str:
@@ -65,7 +63,7 @@ def now() -> int:
 
 
 def check_vocab(state: ServerState, token_ids: list[int], param: str) -> list[int]:
-    vocab = state.engine.engine.vocab_size
+    vocab = state.engine.vocab_size
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
         raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
@@ -97,7 +95,7 @@ def admit(state: ServerState, priority: int) -> None:
     """Checks a valid generation request against the server: its priority
     needs the priority scheduling policy, and while --max-queued-requests
     engine requests wait, it is refused with 503 and Retry-After."""
-    policy = state.engine.engine.scheduler.policy
+    policy = state.engine.scheduling_policy
     if priority != 0 and policy != "priority":
         raise APIError(f"priority is only used with --scheduling-policy priority (this server schedules {policy})",
                        param="priority")
@@ -107,11 +105,18 @@ def admit(state: ServerState, priority: int) -> None:
                        f"retry later", status=503, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+def sampling_params(state: ServerState, kwargs: dict[str, Any]) -> SamplingParams:
+    """The request's SamplingParams, checked against the model's vocabulary
+    too: every bad value is a 400 before a stream starts, never an error
+    event after its 200."""
     try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:  # the message names the field
-        raise APIError(str(exc)) from None
+        params = SamplingParams(**kwargs)
+        params.verify_vocab(state.engine.vocab_size)
+        return params
+    except ValueError as exc:  # the message starts with the field's name
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise APIError(message, param=field if field in DEFAULTS else None) from None
 
 
 def engine_error(exc: BaseException) -> APIError:

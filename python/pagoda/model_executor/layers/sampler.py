@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from pagoda import _native, ops
+from pagoda.outputs import TokenLogprobs
 from pagoda.sampling_params import SamplingParams
 
 
@@ -137,17 +138,6 @@ class SamplingMetadata:
         if any(p.logprobs is not None for p in params):
             md.num_logprobs = [p.logprobs for p in params]
         return md
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs at one position: token_ids[0]/logprobs[0] is the chosen (or
-    prompt) token with its rank; then the top-k tokens, most likely first
-    (their ranks are 1..k)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""How a front end (AsyncLLM) reaches an engine core: in this process, on a
+thread (InprocClient), or in an engine-core process over ZeroMQ (MPClient).
+Both take requests and aborts from any thread and, once started, call
+`on_outputs` with each step's EngineCoreOutputs, and `on_dead` once if the
+core dies, on a thread of their own."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.core import EngineCore
+from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                                         RequestType)
+from pagoda.logger import init_logger
+
+logger = init_logger(__name__)
+
+OnOutputs = Callable[[EngineCoreOutputs], None]
+OnDead = Callable[[BaseException], None]
+STARTUP_POLL_S = 0.5  # how often start-up checks that the core process still lives
+
+
+class EngineCoreDiedError(RuntimeError):
+    """The engine core stopped: a fault no request explains, or its process ended."""
+
+
+class InprocClient:
+    """The core steps in a background thread of this process: the thread
+    alone touches it (no locks), blocks on its command queue when idle and
+    keeps a heartbeat (when it last finished a step)."""
+
+    _STOP = object()
+
+    def __init__(self, core: EngineCore, on_outputs: OnOutputs, on_dead: OnDead):
+        self.core = core
+        self.ready = core.ready_message()
+        self.on_outputs, self.on_dead = on_outputs, on_dead
+        self._commands: queue.Queue = queue.Queue()
+        self.heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._commands.put((RequestType.ADD, requests))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._commands.put((RequestType.ABORT, request_ids))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        self._commands.put(self._STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                # Block only when idle; with work in flight just drain what came in.
+                command = self._next_command() if core.has_unfinished_requests() else self._commands.get()
+                handled = False
+                while command is not None:
+                    if command is self._STOP:
+                        return
+                    self._apply(*command)
+                    handled, command = True, self._next_command()
+                if core.has_unfinished_requests():
+                    self.on_outputs(EngineCoreOutputs(core.step(), core.stats(), time.monotonic()))
+                    self.heartbeat = time.monotonic()
+                elif handled:
+                    self.on_outputs(EngineCoreOutputs([], core.stats(), time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
+            logger.exception("the engine loop failed; failing every request")
+            self.on_dead(exc)
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply(self, kind: RequestType, payload) -> None:
+        if kind is RequestType.ADD:
+            for request in payload:
+                self.core.add_request(request)
+        else:
+            self.core.abort_requests(payload)
+
+
+def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multiprocessing.Process, str, str]:
+    """Spawns an engine-core process and waits until its model is loaded.
+    Returns (the process, its input address, the folder of its sockets, to
+    remove at the end). A core that cannot start raises here as it would in
+    process: ValueError or OSError for bad flags and model files."""
+    from pagoda.engine.core_proc import run_engine_core
+
+    socket_dir = tempfile.mkdtemp(prefix="pagoda-")
+    address = f"ipc://{socket_dir}/core-input"
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    ours, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=run_engine_core, args=(args, eos_token_ids, address, theirs),
+                              name="pagoda-engine-core", daemon=True)
+    process.start()
+    theirs.close()
+    while not ours.poll(STARTUP_POLL_S):
+        if not process.is_alive():
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise EngineCoreDiedError(f"the engine core process exited with status {process.exitcode} while starting")
+    message = ours.recv()
+    ours.close()
+    if message[0] == "error":
+        process.join()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        _, kind, text = message
+        if kind == "ValueError":
+            raise ValueError(text)
+        if kind in ("OSError", "FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"):
+            raise OSError(text)
+        raise EngineCoreDiedError(f"the engine core failed to start: {kind}: {text}")
+    logger.info("engine core process %d ready", process.pid)
+    return process, address, socket_dir
+
+
+def stop_engine_core(process: multiprocessing.Process, address: str, socket_dir: str,
+                     timeout: float | None = 30.0) -> None:
+    """Asks an engine-core process to stop (after its current step), waits
+    for it, kills it past `timeout`, and removes its sockets' folder."""
+    if process.is_alive():
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.connect(address)
+        sock.send_multipart([RequestType.SHUTDOWN.value, b""])
+        sock.close(linger=1000)
+        context.term()
+        process.join(timeout)
+        if process.is_alive():
+            logger.warning("the engine core did not stop in %s s: killing it", timeout)
+            process.kill()
+            process.join(5)
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+class MPClient:
+    """A front end of an engine-core process. Requests go out on a PUSH
+    socket (any thread; a lock keeps sends whole); outputs come in on this
+    client's own PULL socket, read by a thread that also watches the core
+    process, so a core that dies without a word (killed, crashed) is
+    noticed within a poll interval.
+
+    process/socket_dir: given when this client owns the core (started it
+    with start_engine_core): its shutdown then stops the core. Several
+    clients (API server processes) may share one core, each with its own
+    client_index."""
+
+    POLL_MS = 1000  # how often the output thread checks the core process when no message comes
+
+    def __init__(self, input_address: str, on_outputs: OnOutputs, on_dead: OnDead, client_index: int = 0,
+                 core_pid: int | None = None, process: multiprocessing.Process | None = None,
+                 socket_dir: str | None = None):
+        self.on_outputs, self.on_dead = on_outputs, on_dead
+        self.client_index = client_index
+        self.address, self.process, self.socket_dir = input_address, process, socket_dir
+        self.core_pid = process.pid if process is not None else core_pid
+        self._own_dir = tempfile.mkdtemp(prefix="pagoda-client-")
+        output_address = f"ipc://{self._own_dir}/outputs"
+        self.context = zmq.Context()
+        self.output = self.context.socket(zmq.PULL)
+        self.output.bind(output_address)
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.connect(input_address)
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self.heartbeat = time.monotonic()
+        self._send(RequestType.HELLO, ENCODER.encode((client_index, output_address)))
+        kind, payload = self._recv_ready()
+        self.ready: EngineCoreReady = DECODERS[RequestType.READY].decode(payload)
+        self._thread = threading.Thread(target=self._run, name="pagoda-core-outputs", daemon=True)
+
+    def start(self) -> None:
+        """Starts delivering outputs (to on_outputs, on its thread)."""
+        self._thread.start()
+
+    def _recv_ready(self):
+        while not self.output.poll(self.POLL_MS):
+            if not self._core_alive():
+                raise EngineCoreDiedError("the engine core process is gone (no answer to HELLO)")
+        return self.output.recv_multipart()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self._send(RequestType.ADD, ENCODER.encode(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(RequestType.ABORT, ENCODER.encode(request_ids))
+
+    def _send(self, kind: RequestType, payload: bytes) -> None:
+        with self._send_lock:
+            if not self._closing:
+                self.input.send_multipart([kind.value, payload])
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _core_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        try:
+            os.kill(self.core_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie (its parent has not reaped it yet) is dead too.
+        try:
+            with open(f"/proc/{self.core_pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return True
+
+    def _run(self) -> None:
+        decode_outputs = DECODERS[RequestType.OUTPUTS]
+        try:
+            while not self._closing:
+                if not self.output.poll(self.POLL_MS):
+                    if not self._closing and not self._core_alive():
+                        code = self.process.exitcode if self.process is not None else None
+                        raise EngineCoreDiedError(f"the engine core process exited (status {code})")
+                    continue
+                kind, payload = self.output.recv_multipart(copy=False)
+                kind = RequestType(kind.bytes)
+                if kind is RequestType.OUTPUTS:
+                    self.heartbeat = time.monotonic()
+                    self.on_outputs(decode_outputs.decode(payload.buffer))
+                elif kind is RequestType.DEAD:
+                    raise EngineCoreDiedError(f"the engine core failed: {DECODERS[kind].decode(payload.buffer)}")
+        except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
+            if not self._closing:
+                logger.error("the engine core is gone: %s; failing every request", exc)
+                self.on_dead(exc)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops reading outputs; stops the core if this client owns it. Idempotent."""
+        with self._send_lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.process is not None:
+            stop_engine_core(self.process, self.address, self.socket_dir, timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.POLL_MS / 1000 + 1)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self._own_dir, ignore_errors=True)

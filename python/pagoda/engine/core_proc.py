@@ -1,0 +1,177 @@
+"""The engine-core process (vLLM v1's EngineCoreProc): an EngineCore behind
+ZeroMQ sockets, so that the model steps in an interpreter of its own and the
+GIL never makes the GPU wait for HTTP, tokenization or streaming.
+
+Channel: the core binds one PULL socket that every front end (API server
+process) pushes requests to; each front end binds a PULL socket of its own
+and announces it with HELLO, and the core pushes that front end's outputs
+there -- one message per step, every sequence's new token ids in it, with
+the scheduler's stats. Frames are [RequestType, msgpack payload]
+(core_messages).
+
+Lifetime: the process ignores SIGINT/SIGTERM (a Ctrl-C or a supervisor's
+SIGTERM reaches the whole process group, and the API server drains before
+it stops the core with SHUTDOWN), and exits at once if its parent dies, so
+it never outlives the server. A step that fails for a reason no request
+explains sends DEAD with the reason to every front end and exits 1."""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import select
+import signal
+import threading
+import time
+
+import zmq
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.core import EngineCore
+from pagoda.engine.core_messages import DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, RequestType
+from pagoda.logger import init_logger, tag_process_logs
+
+logger = init_logger(__name__)
+
+
+def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: str,
+                    startup: multiprocessing.connection.Connection) -> None:
+    """The process's entry point (multiprocessing, spawned): builds the
+    core, reports ("ready", EngineCoreReady) or ("error", type name,
+    message) through `startup`, then serves until SHUTDOWN."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tag_process_logs()
+    _exit_with_parent()
+    try:
+        core = EngineCore(*args.create_engine_configs(), eos_token_ids)
+        if not args.disable_log_stats:
+            from pagoda.metrics import StatLogger
+
+            core.stat_logger = StatLogger(core, args.stats_interval)
+        proc = EngineCoreProc(core, input_address)
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which raises it
+        startup.send(("error", type(exc).__name__, str(exc)))
+        raise SystemExit(1) from None
+    startup.send(("ready", core.ready_message()))
+    startup.close()
+    raise SystemExit(proc.run())
+
+
+def _exit_with_parent() -> None:
+    """Ends this process as soon as its parent is gone (a SIGKILLed server
+    must not leave the model holding the GPU)."""
+    try:
+        parent = os.pidfd_open(os.getppid())
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll instead
+        parent = None
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        if parent is not None:
+            select.select([parent], [], [])
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagoda-parent-watch", daemon=True).start()
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, input_address: str):
+        self.core = core
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PULL)
+        self.input.bind(input_address)
+        self.clients: dict[int, zmq.Socket] = {}  # client index -> its output socket
+        self.client_of: dict[str, int] = {}  # live sequence id -> its client index
+        self.stopping = False
+
+    def run(self) -> int:
+        """The busy loop; returns the exit status."""
+        core = self.core
+        try:
+            while not self.stopping:
+                handled = self._receive(block=not core.has_unfinished_requests())
+                if self.stopping:
+                    break
+                if core.has_unfinished_requests():
+                    self._send(core.step())
+                elif handled:
+                    self._send([])  # stats after aborts or failed adds: gauges stay current
+        except BaseException as exc:  # noqa: BLE001 -- every front end must hear of it
+            logger.exception("the engine core failed; it stops")
+            self._broadcast(RequestType.DEAD, ENCODER.encode(f"{type(exc).__name__}: {exc}"))
+            return 1
+        finally:
+            self._close()
+        return 0
+
+    def _receive(self, block: bool) -> bool:
+        """Applies every message waiting (the first awaited when `block`);
+        whether there was any."""
+        handled = False
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                kind, payload = self.input.recv_multipart(flags, copy=False)
+            except zmq.Again:
+                return handled
+            handled, flags = True, zmq.NOBLOCK
+            self._apply(RequestType(kind.bytes), payload.buffer)
+            if self.stopping:
+                return handled
+
+    def _apply(self, kind: RequestType, payload) -> None:
+        if kind is RequestType.ADD:
+            request = DECODERS[kind].decode(payload)
+            self.client_of[request.request_id] = request.client_index
+            try:
+                self.core.add_request(request)
+            except ValueError as exc:  # checked by the front end; a clash of ids still fails the one request
+                self._send_to(request.client_index,
+                              [EngineCoreOutput(request.request_id, [], "error", error=str(exc))])
+                self.client_of.pop(request.request_id, None)
+        elif kind is RequestType.ABORT:
+            request_ids = DECODERS[kind].decode(payload)
+            self.core.abort_requests(request_ids)
+            for request_id in request_ids:
+                self.client_of.pop(request_id, None)
+        elif kind is RequestType.HELLO:
+            index, address = DECODERS[kind].decode(payload)
+            socket = self.context.socket(zmq.PUSH)
+            socket.connect(address)
+            self.clients[index] = socket
+            socket.send_multipart([RequestType.READY.value, ENCODER.encode(self.core.ready_message())])
+        elif kind is RequestType.SHUTDOWN:
+            self.stopping = True
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        """One message per front end: its sequences' outputs and the stats."""
+        by_client: dict[int, list[EngineCoreOutput]] = {index: [] for index in self.clients}
+        for output in outputs:
+            index = self.client_of.pop(output.request_id) if output.finished else self.client_of.get(output.request_id)
+            if index in by_client:
+                by_client[index].append(output)
+        stats, now = self.core.stats(), time.monotonic()
+        for index, client_outputs in by_client.items():
+            message = EngineCoreOutputs(client_outputs, stats, now)
+            self.clients[index].send_multipart([RequestType.OUTPUTS.value, ENCODER.encode(message)], copy=False)
+
+    def _send_to(self, index: int, outputs: list[EngineCoreOutput]) -> None:
+        socket = self.clients.get(index)
+        if socket is not None:
+            message = EngineCoreOutputs(outputs, self.core.stats(), time.monotonic())
+            socket.send_multipart([RequestType.OUTPUTS.value, ENCODER.encode(message)])
+
+    def _broadcast(self, kind: RequestType, payload: bytes) -> None:
+        for socket in self.clients.values():
+            socket.send_multipart([kind.value, payload])
+
+    def _close(self) -> None:
+        # Linger: what was sent last (DEAD, the final outputs) still goes out.
+        for socket in self.clients.values():
+            socket.close(linger=2000)
+        self.input.close(linger=0)
+        self.context.term()
