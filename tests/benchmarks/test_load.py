@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.benchmarks.datasets import SampleRequest
 from pagoda.benchmarks.load import Record, outcome, require_loopback, summarize
-from pagoda.benchmarks.serve import RequestFuncOutput, async_request_openai_completions, completion_payload
+from pagoda.benchmarks.serve import (RequestFuncOutput, async_request_openai_completions, client_session,
+                                     completion_payload)
 
 
 def load(pagoda_cli, server, tiny_model, tmp_path, *argv):
@@ -131,16 +132,33 @@ DONE = "data: [DONE]\n\n"
     (None, "", None, "transport error"),
 ])
 def test_how_a_stream_ends(status, body, disconnect_after, expected):
-    def respond(request):
-        if status is None:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(status, content=body.encode())
+    """Canned responses from a real HTTP server on loopback (none at all: a
+    port nobody listens on)."""
+    from aiohttp import web
+
+    from running_server import free_port
+
+    async def respond(request):
+        await request.read()
+        return web.Response(status=status, body=body.encode(), content_type="text/event-stream")
 
     async def send():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(respond)) as client:
-            payload = completion_payload("m", SampleRequest([1, 2, 3], 2), 0.0, False)
-            return await async_request_openai_completions(client, "http://127.0.0.1/v1/completions", payload, {},
-                                                          disconnect_after)
+        runner = None
+        port = free_port()
+        if status is not None:
+            app = web.Application()
+            app.router.add_post("/v1/completions", respond)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with client_session(10.0) as session:
+                payload = completion_payload("m", SampleRequest([1, 2, 3], 2), 0.0, False)
+                return await async_request_openai_completions(session, f"http://127.0.0.1:{port}/v1/completions",
+                                                              payload, {}, disconnect_after)
+        finally:
+            if runner is not None:
+                await runner.cleanup()
 
     output = asyncio.run(send())
     assert outcome(output, timed_out=False) == expected, output.error

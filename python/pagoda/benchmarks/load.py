@@ -43,8 +43,8 @@ from datetime import datetime
 from pagoda.benchmarks.datasets import (RandomDataset, SampleRequest, add_dataset_args, get_dataset_spec,
                                        verify_fits)
 from pagoda.benchmarks.serve import (RequestFuncOutput, Server, add_server_args, async_request_openai_completions,
-                                     calculate_metrics, check_first_request, completion_payload, find_server,
-                                     server_url)
+                                     calculate_metrics, check_first_request, client_session, completion_payload,
+                                     find_server, server_url)
 from pagoda.entrypoints.cli_args import positive_float, positive_int
 
 # Unless the flags say otherwise: lengths in [0.1x, 1.9x] the dataset's, and
@@ -122,15 +122,16 @@ def require_loopback(url: str) -> None:
                          f"(use 127.0.0.1, [::1] or localhost)")
 
 
-async def scrape(client, url: str, headers: dict | None = None) -> dict[str, float]:
+async def scrape(session, url: str, headers: dict | None = None) -> dict[str, float]:
     """The /metrics of the server at url as {name: value} (one model: no
     labels needed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    response = await client.get(url + "/metrics", headers=headers)
-    response.raise_for_status()
+    async with session.get(url + "/metrics", headers=headers) as response:
+        response.raise_for_status()
+        text = await response.text()
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     missing = [name for name in ("pagoda:kv_cache_used_blocks", "pagoda:num_requests_running",
@@ -146,13 +147,13 @@ def busy(metrics: dict[str, float]) -> bool:
                 or metrics["pagoda:kv_cache_used_blocks"])
 
 
-async def settle(client, url: str, timeout: float, headers: dict | None = None) -> tuple[dict[str, float], float]:
+async def settle(session, url: str, timeout: float, headers: dict | None = None) -> tuple[dict[str, float], float]:
     """(/metrics once the server holds no request and no block, or at the
     timeout; seconds waited): aborts and frees happen in the engine thread
     after the clients are gone."""
     started = time.monotonic()
     while True:
-        metrics = await scrape(client, url, headers)
+        metrics = await scrape(session, url, headers)
         waited = time.monotonic() - started
         if not busy(metrics) or waited >= timeout:
             return metrics, waited
@@ -161,7 +162,7 @@ async def settle(client, url: str, timeout: float, headers: dict | None = None) 
 
 async def run_load(server: Server, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
     """Drives the load; returns the report (see summarize)."""
-    import httpx
+    import aiohttp
 
     url = server.url + "/v1/completions"
     pool = itertools.cycle(requests)
@@ -172,8 +173,7 @@ async def run_load(server: Server, requests: list[SampleRequest], args: argparse
         extra = {} if plan.timeout_seconds is None else dict(timeout_seconds=plan.timeout_seconds)
         return completion_payload(server.model, plan.request, args.temperature, args.ignore_eos, **extra)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout),
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+    async with client_session(args.request_timeout) as client:
         await check_first_request(client, url, payload(Plan(requests[0])), server.headers)  # also warms up
         before, _ = await settle(client, server.url, args.settle_timeout, server.headers)
         stop_at = time.monotonic() + args.duration
@@ -202,7 +202,7 @@ async def run_load(server: Server, requests: list[SampleRequest], args: argparse
                 await asyncio.sleep(SAMPLE_EVERY_S)
                 try:
                     metrics = await scrape(client, server.url, server.headers)
-                except httpx.HTTPError:
+                except (aiohttp.ClientError, asyncio.TimeoutError):
                     continue  # the clients' own errors say what went wrong
                 for name in ("pagoda:kv_cache_used_blocks", "pagoda:num_requests_running",
                              "pagoda:num_requests_waiting", "pagoda:process_resident_memory_bytes"):
@@ -217,7 +217,7 @@ async def run_load(server: Server, requests: list[SampleRequest], args: argparse
         elapsed = time.perf_counter() - started
         try:
             after, waited = await settle(client, server.url, args.settle_timeout, server.headers)
-        except httpx.HTTPError as exc:  # the server died: still report what the clients saw
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the server died: still report what the clients saw
             after, waited = dict(unreachable=f"{type(exc).__name__}: {exc}"), 0.0
     return summarize(records, elapsed, before, after, waited, peaks)
 

@@ -72,7 +72,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int | None = None  # from the first sequence scheduled
     error: str | None = None  # why it failed inside the engine (RequestOutput.error)
-    counted_tokens: int = 0  # generated tokens already counted in the stats
+    num_generated_tokens: int = 0  # by all n completions
 
     @property
     def finished(self) -> bool:
@@ -94,10 +94,6 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens or 0,
             error=self.error,
         )
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(c.detokenizer.output_token_ids) for c in self.completions)
 
 
 @dataclass
@@ -172,17 +168,23 @@ class OutputProcessor:
                     self.fault_hook("output", [out.request_id])
                 if out.prompt_logprobs is not None:
                     state.prompt_logprobs = make_prompt_logprobs(out.prompt_logprobs, self.tokenizer)
+                num_before = len(completion.detokenizer.output_token_ids)
                 completion.detokenizer.append(out.new_token_ids, out.new_logprobs, out.finish_reason, out.stop_reason)
+                num_new = len(completion.detokenizer.output_token_ids) - num_before  # none past a stop string
             except Exception as exc:  # noqa: BLE001 -- this request's alone
                 logger.error("request %s failed in the step's output stage; it ends alone, the engine serves on: "
                              "%s: %s", state.request_id, type(exc).__name__, exc, exc_info=exc)
                 self._fail(state, f"the request failed inside the engine (output): {type(exc).__name__}: {exc}",
                            result)
                 continue
-            if out.new_token_ids:
+            if num_new:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
+                    result.stats.num_prompt_tokens += len(state.prompt_token_ids)
+                    result.stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
                 state.metrics.last_token_time = now
+                state.num_generated_tokens += num_new
+                result.stats.num_generation_tokens += num_new
             if completion.detokenizer.finished:
                 del self.parents[out.request_id]
                 if not out.finished:  # a stop string: the core still runs it
@@ -227,17 +229,7 @@ class OutputProcessor:
                 result.reqs_to_abort.append(completion.child_id)
 
     def _report(self, state: RequestState, result: OutputProcessorResult, always: bool = False) -> None:
-        """Adds the request's output (per its kind) and stats to the result."""
-        stats = result.stats
-        generated = state.num_generated_tokens
-        if generated > state.counted_tokens:
-            if state.counted_tokens == 0:
-                stats.num_prompt_tokens += len(state.prompt_token_ids)
-                ttft = state.metrics.time_to_first_token
-                if ttft is not None:
-                    stats.time_to_first_tokens.append(ttft)
-            stats.num_generation_tokens += generated - state.counted_tokens
-            state.counted_tokens = generated
+        """Adds the request's output (per its kind) and, once finished, its stats to the result."""
         finished = state.finished
         if finished:
             self.states.pop(state.request_id, None)
@@ -246,6 +238,7 @@ class OutputProcessor:
             result.request_outputs.append(output)
             if finished:
                 reasons = {c.finish_reason for c in output.outputs}
-                stats.finished.append(FinishedRequestStats(
-                    next(r for r in REASON_ORDER if r in reasons), len(state.prompt_token_ids), generated,
-                    max(len(c.detokenizer.output_token_ids) for c in state.completions), state.metrics))
+                result.stats.finished.append(FinishedRequestStats(
+                    next(r for r in REASON_ORDER if r in reasons), len(state.prompt_token_ids),
+                    state.num_generated_tokens, max(len(c.detokenizer.output_token_ids) for c in state.completions),
+                    state.metrics))

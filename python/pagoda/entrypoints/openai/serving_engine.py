@@ -136,6 +136,14 @@ async def run_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, 
     (prompt index, output) as they come. Closing this iterator (or
     cancelling its consumer, as a client disconnect does) cancels every
     request, which aborts them in the engine and frees their KV blocks."""
+    if len(prompts) == 1:  # the common case: no task and queue between the engine and the stream
+        outputs = engine.generate(prompts[0], params, f"{request_id}-0", priority=priority, output_kind=kind)
+        try:
+            async for out in outputs:
+                yield 0, out
+        finally:
+            await outputs.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
