@@ -336,3 +336,30 @@ def test_a_caller_leaving_as_its_request_finishes_does_not_kill_the_engine(llm):
 
     assert len(asyncio.run(next_request()).outputs[0].token_ids) == 12
     llm.check_health()
+
+
+def test_a_lagging_caller_gets_its_deltas_merged():
+    """Outputs a caller has not taken yet are merged into one (deltas
+    concatenated, the newest finish state), so a slow consumer costs one
+    wake-up and one chunk, not one per token; an error replaces them."""
+    from pagoda.engine.async_llm import _Collector
+    from pagoda.outputs import CompletionOutput, RequestOutput
+
+    def delta(text, ids, finish=None):
+        return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, ids, finish_reason=finish)],
+                             finished=finish is not None)
+
+    async def main():
+        collector = _Collector(delta=True)
+        for out in (delta("a", [5]), delta("b", [6]), delta("c", [7], "length")):
+            collector.put(out)
+        merged = await collector.get()
+        collector.put(delta("d", [8]))
+        collector.put(RuntimeError("engine gone"))
+        collector.put(delta("e", [9]))  # after the error: ignored
+        return merged, await collector.get()
+
+    merged, error = asyncio.run(main())
+    assert merged.outputs[0].text == "abc" and merged.outputs[0].token_ids == [5, 6, 7]
+    assert merged.finished and merged.outputs[0].finish_reason == "length"
+    assert isinstance(error, RuntimeError)

@@ -62,8 +62,10 @@ class ServerProcess:
 
 
 def client():
-    """An HTTP client for a crowd: no connection limit."""
-    return httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    """An HTTP client for a crowd (the benchmarks' aiohttp session: no connection limit)."""
+    from pagoda.benchmarks.serve import client_session
+
+    return client_session(120.0)
 
 
 def body(index: int, max_tokens: int, **extra) -> dict:

@@ -63,8 +63,9 @@ def stream(url, results, index, first_chunk):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(model_folder):
-    # One sequence at a time: while the first streams, the others wait in the queue.
-    proc, url = start(model_folder, "--max-num-seqs", "1")
+    # One sequence at a time: while the first streams, the others wait in the queue. The drain's
+    # bound is far above the work left (seconds; more on a loaded machine): nothing is cut short.
+    proc, url = start(model_folder, "--max-num-seqs", "1", "--timeout-graceful-shutdown", "120")
     try:
         results, first_chunk = {}, threading.Event()
         clients = [threading.Thread(target=stream, args=(url, results, i, first_chunk)) for i in range(CLIENTS)]
@@ -85,7 +86,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_folder):
     finally:
         proc.kill()
         proc.wait()
-    assert time.monotonic() - signalled < 40
+    assert time.monotonic() - signalled < 120
     for i in range(CLIENTS):  # every request ran to its end
         events = results[i]
         assert events[-1] == "data: [DONE]", events[-3:]

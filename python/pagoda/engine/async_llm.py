@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import threading
 import time
 import weakref
@@ -93,12 +92,18 @@ class _Collector:
 
 
 def _merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    outputs = []
+    """`new` appended to `old`, in place: a pending delta is the collector's
+    own (fresh lists, not seen by the caller yet), and a lagging caller must
+    not make every step copy what waits."""
     for a, b in zip(old.outputs, new.outputs):
-        logprobs = b.logprobs if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
-        outputs.append(dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                                           logprobs=logprobs))
-    return dataclasses.replace(new, outputs=outputs)
+        a.text += b.text
+        a.token_ids += b.token_ids
+        if a.logprobs is not None and b.logprobs is not None:
+            a.logprobs += b.logprobs
+        a.cumulative_logprob, a.finish_reason, a.stop_reason = b.cumulative_logprob, b.finish_reason, b.stop_reason
+    old.finished, old.metrics, old.prompt_logprobs, old.error = new.finished, new.metrics, new.prompt_logprobs, new.error
+    old.num_cached_tokens = new.num_cached_tokens
+    return old
 
 
 class AsyncLLM:
