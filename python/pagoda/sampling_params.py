@@ -190,7 +190,13 @@ class SamplingParams:
             self.top_k = 0
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A copy that shares nothing mutable with this one (a shallow copy
+        and new containers: deepcopy costs more than a request's other checks)."""
+        other = copy.copy(self)
+        other.stop, other.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            other.logit_bias = dict(self.logit_bias)
+        return other
 
 
 # Defaults by name, e.g. for the OpenAI server's request models.

@@ -76,7 +76,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.detokenizer.finished for c in self.completions)
+        completions = self.completions
+        if len(completions) == 1:  # the common case, checked per request per step
+            return completions[0].detokenizer.finish_reason is not None
+        return all(c.detokenizer.finished for c in completions)
 
     def output(self) -> RequestOutput:
         finished = self.finished
