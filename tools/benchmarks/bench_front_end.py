@@ -65,7 +65,7 @@ def main() -> None:
             last = step == args.steps - 1
             outputs = [EngineCoreOutput(f"r{i}", [rng.choice(tokens)], "length" if last else None)
                        for i in range(args.requests)]
-            messages.append(ENCODER.encode(EngineCoreOutputs(outputs, SchedulerStats(), 0.0)))
+            messages.append(ENCODER.encode(EngineCoreOutputs(outputs, SchedulerStats())))
         started = time.perf_counter()
         for message in messages:
             result = output_processor.process_outputs(decode_outputs.decode(message).outputs)

@@ -288,10 +288,6 @@ class AsyncLLM:
             _post(*entry, result.request_outputs[0])
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._collectors)
-
-    @property
     def num_waiting_requests(self) -> int:
         """Sequences accepted but not running yet: those the front end has
         sent, less those the core last said run (a snapshot: all admission

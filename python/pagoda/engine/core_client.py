@@ -6,6 +6,7 @@ core dies, on a thread of their own."""
 
 from __future__ import annotations
 
+import builtins
 import multiprocessing
 import os
 import queue
@@ -80,10 +81,10 @@ class InprocClient:
                     self._apply(*command)
                     handled, command = True, self._next_command()
                 if core.has_unfinished_requests():
-                    self.on_outputs(EngineCoreOutputs(core.step(), core.stats(), time.monotonic()))
+                    self.on_outputs(EngineCoreOutputs(core.step(), core.stats()))
                     self.heartbeat = time.monotonic()
                 elif handled:
-                    self.on_outputs(EngineCoreOutputs([], core.stats(), time.monotonic()))
+                    self.on_outputs(EngineCoreOutputs([], core.stats()))
         except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
             logger.exception("the engine loop failed; failing every request")
             self.on_dead(exc)
@@ -127,9 +128,11 @@ def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multi
         process.join()
         shutil.rmtree(socket_dir, ignore_errors=True)
         _, kind, text = message
-        if kind == "ValueError":
+        error = getattr(builtins, kind, None)
+        # Bad flags or model files: the kind the caller would catch in process.
+        if isinstance(error, type) and issubclass(error, ValueError):
             raise ValueError(text)
-        if kind in ("OSError", "FileNotFoundError", "PermissionError", "IsADirectoryError", "NotADirectoryError"):
+        if isinstance(error, type) and issubclass(error, OSError):
             raise OSError(text)
         raise EngineCoreDiedError(f"the engine core failed to start: {kind}: {text}")
     logger.info("engine core process %d ready", process.pid)

@@ -66,7 +66,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
-    timestamp: float  # time.monotonic() in the core when it was sent
 
 
 class EngineCoreReady(msgspec.Struct, array_like=True):
@@ -91,7 +90,6 @@ class RequestType(bytes, enum.Enum):
     READY = b"\x04"  # EngineCoreReady
     OUTPUTS = b"\x05"  # EngineCoreOutputs
     DEAD = b"\x06"  # the core died: the reason, as text
-    START_FAILED = b"\x07"  # the core could not start: [exception type name, message]
 
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -102,5 +100,4 @@ DECODERS = {
     RequestType.READY: msgspec.msgpack.Decoder(EngineCoreReady),
     RequestType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
     RequestType.DEAD: msgspec.msgpack.Decoder(str),
-    RequestType.START_FAILED: msgspec.msgpack.Decoder(list[str]),
 }

@@ -86,6 +86,7 @@ class EngineCoreProc:
         self.input.bind(input_address)
         self.clients: dict[int, zmq.Socket] = {}  # client index -> its output socket
         self.client_of: dict[str, int] = {}  # live sequence id -> its client index
+        self.refused: list[tuple[int, EngineCoreOutput]] = []  # (client index, its failed add), for the next send
         self.stopping = False
 
     def run(self) -> int:
@@ -126,13 +127,13 @@ class EngineCoreProc:
     def _apply(self, kind: RequestType, payload) -> None:
         if kind is RequestType.ADD:
             request = DECODERS[kind].decode(payload)
-            self.client_of[request.request_id] = request.client_index
             try:
                 self.core.add_request(request)
             except ValueError as exc:  # checked by the front end; a clash of ids still fails the one request
-                self._send_to(request.client_index,
-                              [EngineCoreOutput(request.request_id, [], "error", error=str(exc))])
-                self.client_of.pop(request.request_id, None)
+                self.refused.append((request.client_index,
+                                     EngineCoreOutput(request.request_id, [], "error", error=str(exc))))
+            else:
+                self.client_of[request.request_id] = request.client_index
         elif kind is RequestType.ABORT:
             request_ids = DECODERS[kind].decode(payload)
             self.core.abort_requests(request_ids)
@@ -154,16 +155,14 @@ class EngineCoreProc:
             index = self.client_of.pop(output.request_id) if output.finished else self.client_of.get(output.request_id)
             if index in by_client:
                 by_client[index].append(output)
-        stats, now = self.core.stats(), time.monotonic()
+        for index, output in self.refused:
+            if index in by_client:
+                by_client[index].append(output)
+        self.refused = []
+        stats = self.core.stats()
         for index, client_outputs in by_client.items():
-            message = EngineCoreOutputs(client_outputs, stats, now)
+            message = EngineCoreOutputs(client_outputs, stats)
             self.clients[index].send_multipart([RequestType.OUTPUTS.value, ENCODER.encode(message)], copy=False)
-
-    def _send_to(self, index: int, outputs: list[EngineCoreOutput]) -> None:
-        socket = self.clients.get(index)
-        if socket is not None:
-            message = EngineCoreOutputs(outputs, self.core.stats(), time.monotonic())
-            socket.send_multipart([RequestType.OUTPUTS.value, ENCODER.encode(message)])
 
     def _broadcast(self, kind: RequestType, payload: bytes) -> None:
         for socket in self.clients.values():

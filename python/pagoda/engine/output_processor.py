@@ -212,12 +212,10 @@ class OutputProcessor:
             self._report(state, result, always=True)
         return result
 
-    def fail_all(self) -> list[str]:
-        """Forgets every request (the engine died); returns their ids."""
-        request_ids = list(self.states)
+    def fail_all(self) -> None:
+        """Forgets every request (the engine died)."""
         self.states.clear()
         self.parents.clear()
-        return request_ids
 
     @staticmethod
     def _completion(state: RequestState, out: EngineCoreOutput) -> Completion:

@@ -391,8 +391,8 @@ def serve(args: argparse.Namespace, engine_args, core: tuple[str, int, int] | No
 
 def serve_with_api_servers(args: argparse.Namespace, engine_args) -> int:
     """--api-server-count N: one engine-core process and N API server
-    processes accepting on one listening socket, each tokenizing,
-    detokenizing and streaming for its own connections. SIGTERM drains them
+    processes on one port, each tokenizing, detokenizing and streaming for
+    its own connections. SIGTERM drains them
     all; if the core or any API server dies, the rest shut down and the
     exit status is 1."""
     import multiprocessing
@@ -431,7 +431,9 @@ def serve_with_api_servers(args: argparse.Namespace, engine_args) -> int:
     logger.info("%d API server processes on http://%s:%d in front of engine core process %d", len(servers),
                 args.host, port, core.pid)
     while any(server.is_alive() for server in servers):
-        multiprocessing.connection.wait([s.sentinel for s in servers if s.is_alive()] + [core.sentinel], timeout=1.0)
+        # A dead core's sentinel stays ready: waiting on it then would spin through the drain.
+        sentinels = [s.sentinel for s in servers if s.is_alive()] + ([core.sentinel] if core.is_alive() else [])
+        multiprocessing.connection.wait(sentinels, timeout=1.0)
         failed = not core.is_alive() or any(s.exitcode not in (None, 0) for s in servers)
         if failed and not stopping:
             logger.error("an API server or the engine core stopped: shutting the others down, to exit with status 1")
