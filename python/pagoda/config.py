@@ -239,3 +239,34 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+
+
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # Where the workers run: "uni" (in the engine's process; one rank only) or
+    # "mp" (a process per rank, one machine). None: uni for one rank, mp for more.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self):
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if size == 1 else "mp"
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' (several machines) is not built yet; "
+                             "'mp' runs the ranks of one machine")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and size != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={size} "
+                             "needs 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size

@@ -124,3 +124,17 @@ def _short(ids: list[int], keep: int = 8) -> str:
     head = ", ".join(map(str, ids[:keep]))
     tail = ", ".join(map(str, ids[-keep:]))
     return f"[{head}, ... ({len(ids) - 2 * keep} more), {tail}]"
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a worker returns for a step, in plain lists: the sampled token of
+    each row that sampled (and its logprobs when asked), prompt logprobs
+    computed this step, and the requests whose own work in the step failed
+    (id -> why): they end with finish_reason "error", the step goes on."""
+
+    req_ids: list[str]  # the rows that sampled, in order
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # per row; None when no row asked
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # entries new this step
+    failed: dict[str, str] = field(default_factory=dict)

@@ -165,6 +165,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Its sampling depends on the ids generated so far, not just their count."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def update_from_generation_config(self, generation_config: dict, explicitly_set: set[str] | None = None) -> None:
         """Take the model's defaults (generation_config.json) for the sampling
         fields in GENERATION_CONFIG_FIELDS that the user did not set.

@@ -83,7 +83,7 @@ def test_latency(pagoda_cli, tiny_model, tmp_path):
     (["--model-shape", "Qwen3-0.6B", "--load-format", "safetensors"], "needs --load-format dummy"),
     (["--model-shape", "Qwen3-0.6B", "--hf-overrides", TINY, "--max-model-len", "64", "--input-len", "60",
       "--output-len", "10"], "over max_model_len=64"),
-    (["--model-shape", "Qwen3-0.6B", "--hf-overrides", TINY, "--tensor-parallel-size", "2"], "tensor_parallel_size"),
+    (["--model-shape", "Qwen3-0.6B", "--hf-overrides", TINY, "--tensor-parallel-size", "3"], "num_attention_heads"),
 ])
 def test_bad_combinations_are_clear_errors(pagoda_cli, argv, message):
     code, _, stderr = pagoda_cli("bench", "throughput", "--kv-cache-space", "0.05", "--disable-tqdm", *argv)

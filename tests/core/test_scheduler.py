@@ -37,7 +37,9 @@ class SimulatedEngine:
     """Scheduler + KV manager + a runner that stores each position's token id
     in its KV slot and checks, before every step, that the slots of the
     already-computed positions hold exactly the request's tokens (what a
-    wrong prefix-cache hit or a reused live block would break)."""
+    wrong prefix-cache hit or a reused live block would break). Like the
+    worker, the runner keeps each request's block table from the scheduler's
+    incremental output, and checks it against the KV manager's."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs", caching=True,
                  async_scheduling=False):
@@ -52,6 +54,7 @@ class SimulatedEngine:
         self.in_flight = None  # async: (output, sampled) of the step run last, not read yet
         self.device_tokens = {}  # request id -> prompt + every token sampled (read or not)
         self.stop_tokens = {}
+        self.tables = {}  # request id -> block table, as the worker keeps it
 
     def add(self, request_id, prompt, max_tokens, priority=0, arrival_time=0.0, stop_token=None):
         params = SamplingParams(max_tokens=max_tokens)
@@ -83,13 +86,24 @@ class SimulatedEngine:
         bs = self.kv.block_size
         previous = self.in_flight[1] if self.in_flight else {}
         sampled = {}
+        for request_id in output.finished_ids:
+            del self.tables[request_id]
+        for new in output.new_requests:
+            assert new.request_id not in self.tables, "a request's data sent twice"
+            self.tables[new.request_id] = None
         for item in output.scheduled:
             if item.request_id not in self.order:
                 self.order.append(item.request_id)
             tokens = self.device_tokens[item.request_id]
-            slot = lambda pos: item.block_ids[pos // bs] * bs + pos % bs  # noqa: E731
+            if item.reset_blocks:
+                self.tables[item.request_id] = list(item.new_block_ids)
+            else:
+                self.tables[item.request_id] += item.new_block_ids
+            table = self.tables[item.request_id]
+            assert table == self.kv.block_ids(item.request_id), "the worker's block table went wrong"
+            slot = lambda pos: table[pos // bs] * bs + pos % bs  # noqa: E731
             end = item.start_position + len(item.token_ids)
-            assert len(item.block_ids) * bs >= end
+            assert len(table) * bs >= end
             token_ids = list(item.token_ids)
             if item.last_token_pending:
                 assert self.async_scheduling

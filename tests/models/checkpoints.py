@@ -42,11 +42,14 @@ CONFIGS = {
 
 
 def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    return random_hf_model(CONFIGS[name](), seed)
+
+
+def random_hf_model(config: transformers.PretrainedConfig, seed: int = 0) -> transformers.PreTrainedModel:
     """fp32, eval, eager attention. Every parameter gets noise on top of
     transformers' init (which leaves biases 0 and norms 1, hiding misplaced
     ones) and a scale that makes attention far from uniform (so position
     bugs show)."""
-    config = CONFIGS[name]()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

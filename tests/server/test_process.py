@@ -242,7 +242,7 @@ def test_several_api_servers_front_one_engine_core(model_folder):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size=2"),
+    (["--tensor-parallel-size", "3"], "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
 ])
 def test_bad_engine_flag_is_one_line(model_folder, flags, says):

@@ -25,7 +25,13 @@ def request(i, start, num_new, num_blocks=None, sample=True, prompt=10):
     num_blocks = num_blocks or -(-(start + num_new) // BLOCK_SIZE)
     blocks = random.Random(i).sample(range(1, 100), num_blocks)
     tokens = [1000 * i + start + j for j in range(num_new)]
-    return ScheduledRequest(f"r{i}", tokens, start, blocks, sample, prompt)
+    return ScheduledRequest(f"r{i}", tokens, start, blocks, sample, prompt, reset_blocks=True)
+
+
+def one_step(items):
+    """The step's scheduler output and the block tables the worker keeps
+    (here: each request's first, so its whole table)."""
+    return SchedulerOutput(items), [item.new_block_ids for item in items]
 
 
 def expected(items):
@@ -36,12 +42,12 @@ def expected(items):
             pos = item.start_position + j
             ids.append(token)
             positions.append(pos)
-            slots.append(item.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            slots.append(item.new_block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
         qsl.append(qsl[-1] + len(item.token_ids))
         if item.sample:
             sample_rows.append(qsl[-1] - 1)
-    width = max(len(item.block_ids) for item in items)
-    tables = [item.block_ids + [0] * (width - len(item.block_ids)) for item in items]
+    width = max(len(item.new_block_ids) for item in items)
+    tables = [item.new_block_ids + [0] * (width - len(item.new_block_ids)) for item in items]
     seq_lens = [item.start_position + len(item.token_ids) for item in items]
     return ids, positions, slots, qsl, sample_rows, tables, seq_lens
 
@@ -50,7 +56,7 @@ def test_mixed_step_matches_per_token_construction():
     # A prefill, a chunk in the middle of a prompt (no sampling), a prefix hit
     # resuming after two full blocks, and two decodes.
     items = [request(0, 0, 7), request(1, 4, 5, sample=False), request(2, 8, 3), request(3, 12, 1), request(4, 2, 1)]
-    inputs = make_buffers().prepare(SchedulerOutput(items))
+    inputs = make_buffers().prepare(*one_step(items))
     ids, positions, slots, qsl, sample_rows, tables, seq_lens = expected(items)
     md = inputs.metadata
     assert inputs.input_ids.tolist() == ids and inputs.input_ids.dtype == torch.int64
@@ -81,7 +87,7 @@ def test_random_steps_reuse_the_same_buffers():
                 break
             budget -= num_new
             items.append(request(step * 10 + i, start, num_new, sample=rng.random() < 0.7))
-        inputs = buffers.prepare(SchedulerOutput(items))
+        inputs = buffers.prepare(*one_step(items))
         ids, positions, slots, qsl, sample_rows, tables, seq_lens = expected(items)
         md = inputs.metadata
         assert inputs.input_ids.tolist() == ids
@@ -100,7 +106,7 @@ def test_random_steps_reuse_the_same_buffers():
 def test_decode_step_padded_to_a_graph_batch_size():
     buffers = make_buffers()
     items = [request(0, 9, 1), request(1, 30, 1), request(2, 0, 1)]
-    inputs = buffers.prepare(SchedulerOutput(items), pad_to=6)
+    inputs = buffers.prepare(*one_step(items), pad_to=6)
     ids, positions, slots, qsl, sample_rows, tables, seq_lens = expected(items)
     md = inputs.metadata
     assert inputs.padded_batch_size == 6 and inputs.num_reqs == 3 and inputs.num_tokens == 3
@@ -114,7 +120,7 @@ def test_decode_step_padded_to_a_graph_batch_size():
     # Full width (max_model_len worth of blocks): one graph for any context.
     assert md.block_tables.shape == (6, MAX_BLOCKS)
     for row, item in enumerate(items):
-        assert md.block_tables[row, : len(item.block_ids)].tolist() == item.block_ids
+        assert md.block_tables[row, : len(item.new_block_ids)].tolist() == item.new_block_ids
     assert md.block_tables[3:, 0].tolist() == [0, 0, 0]
     assert md.max_query_len == 1 and md.max_seq_len == MAX_BLOCKS * BLOCK_SIZE
     # Logits only for the real rows; the host copy of query_start_loc too.
@@ -124,13 +130,13 @@ def test_decode_step_padded_to_a_graph_batch_size():
 
 def test_padded_tables_keep_their_address_and_shape_per_batch_size():
     buffers = make_buffers()
-    first = buffers.prepare(SchedulerOutput([request(0, 3, 1)]), pad_to=4)
-    second = buffers.prepare(SchedulerOutput([request(1, 20, 1), request(2, 5, 1)]), pad_to=4)
+    first = buffers.prepare(*one_step([request(0, 3, 1)]), pad_to=4)
+    second = buffers.prepare(*one_step([request(1, 20, 1), request(2, 5, 1)]), pad_to=4)
     for a, b in [(first.metadata.block_tables, second.metadata.block_tables), (first.input_ids, second.input_ids),
                  (first.metadata.seq_lens, second.metadata.seq_lens)]:
         assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
     # The second step's rows replaced the first's where they are read.
-    assert second.metadata.block_tables[0, :6].tolist() == request(1, 20, 1).block_ids
+    assert second.metadata.block_tables[0, :6].tolist() == request(1, 20, 1).new_block_ids
     assert second.metadata.seq_lens.tolist() == [21, 6, 1, 1]
 
 
@@ -145,18 +151,18 @@ def test_a_batch_of_padding_only_is_what_graph_capture_uses():
 def test_only_decode_steps_pad_and_limits_hold():
     buffers = make_buffers(max_num_tokens=16, max_num_reqs=4)
     with pytest.raises(ValueError, match="only decode steps"):
-        buffers.prepare(SchedulerOutput([request(0, 0, 3)]), pad_to=4)
+        buffers.prepare(*one_step([request(0, 0, 3)]), pad_to=4)
     with pytest.raises(RuntimeError, match="exceeds the input buffers"):
-        buffers.prepare(SchedulerOutput([request(0, 0, 17)]))
+        buffers.prepare(*one_step([request(0, 0, 17)]))
     with pytest.raises(RuntimeError, match="exceeds the input buffers"):
-        buffers.prepare(SchedulerOutput([request(i, 0, 1) for i in range(3)]), pad_to=8)
+        buffers.prepare(*one_step([request(i, 0, 1) for i in range(3)]), pad_to=8)
     with pytest.raises(RuntimeError, match="max_blocks_per_req"):
-        buffers.prepare(SchedulerOutput([request(0, 0, 1, num_blocks=MAX_BLOCKS + 1)]))
+        buffers.prepare(*one_step([request(0, 0, 1, num_blocks=MAX_BLOCKS + 1)]))
 
 
 def test_cpu_inputs_are_the_host_buffer_itself():
     """On the CPU nothing is copied: the model reads the numpy-filled memory."""
     buffers = make_buffers()
-    inputs = buffers.prepare(SchedulerOutput([request(0, 0, 5)]))
+    inputs = buffers.prepare(*one_step([request(0, 0, 5)]))
     assert inputs.input_ids.data_ptr() == buffers.input_ids.cpu.data_ptr()
     assert np.shares_memory(buffers.input_ids.np, buffers.input_ids.cpu.numpy())

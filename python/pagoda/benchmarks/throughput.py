@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> dict:
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
     temperature = 0.0 if args.greedy else 1.0
     results = dict(pagoda=run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm))
-    device = llm.llm_engine.runner.device
+    device = llm.llm_engine.model_config.device
     del llm  # free its weights and KV cache before the baseline loads
     gc.collect()
     if device.type == "cuda":

@@ -122,8 +122,9 @@ class KVCacheManager:
         elif request.request_id not in self._num_cached_blocks:
             self._num_cached_blocks[request.request_id] = start
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return list(self._block_ids.get(request_id, ()))
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from index `start` on (a copy)."""
+        return self._block_ids.get(request_id, [])[start:]
 
     def free(self, request_id: str) -> None:
         """Returns a request's blocks, tail first (so the ends of cached chains

@@ -32,6 +32,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_num_tokens: int | None = None,
+        want_prompt_logprobs: bool = False,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -48,6 +49,8 @@ class Request:
         # Prompt plus max_tokens, capped by max_model_len: no step is scheduled
         # for a request whose pending tokens already take it there.
         self.max_num_tokens = max_num_tokens
+        # sampling_params.prompt_logprobs computed for it (of n samples, one computes them)
+        self.want_prompt_logprobs = want_prompt_logprobs and sampling_params.prompt_logprobs is not None
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

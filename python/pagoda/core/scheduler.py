@@ -7,8 +7,13 @@ at the end of its cached prefix) are the same arithmetic over
 num_computed_tokens. The waiting queue is ordered by the scheduling policy
 (fcfs or priority), and so is the choice of whom to preempt.
 
-The scheduler never touches tensors: its output is a plain dataclass the model
-runner turns into inputs, and update_from_output takes plain token ids back.
+The scheduler never touches tensors: its output is a plain dataclass the
+worker turns into inputs, and update_from_output takes plain token ids back.
+The output is incremental, as the worker keeps each request's state: a
+request's prompt and sampling parameters go once (new_requests), its block
+ids as they are allocated (the whole table again only after a preemption
+dropped it), and the ids of requests that ended since the last step
+(finished_ids), so the worker forgets them.
 
 A step's computed tokens count at scheduling time, and its samples as pending
 tokens until update_from_output brings their ids, so the next step can be
@@ -25,6 +30,17 @@ from dataclasses import dataclass, field
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.request_queue import create_request_queue
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """What the worker keeps of a request, sent with its first step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    want_prompt_logprobs: bool  # compute them (sampling_params.prompt_logprobs of them)
 
 
 @dataclass
@@ -32,17 +48,20 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens whose KV this step computes
     start_position: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
+    new_block_ids: list[int]  # blocks allocated since the request's last step ...
     sample: bool  # this step completes the request's known tokens: sample the next one
     num_prompt_tokens: int
     # token_ids[-1] is a placeholder for the token this request sampled in
     # the previous step, not read by the host yet (async scheduling).
     last_token_pending: bool = False
+    reset_blocks: bool = False  # ... or its whole block table (first step, or after a preemption)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the previous step
     preempted_ids: list[str] = field(default_factory=list)
     # Requests ended (FINISHED_LENGTH) because the whole KV cache cannot hold
     # their next token: they would only be preempted and readmitted forever.
@@ -73,6 +92,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # What the worker was told: blocks sent per request (None: its table
+        # starts over next step), requests ended since the last step.
+        self._sent_blocks: dict[str, int | None] = {}
+        self.finished_ids_to_send: list[str] = []  # the next output's finished_ids
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -92,7 +115,8 @@ class Scheduler:
         return len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        output = SchedulerOutput(finished_ids=self.finished_ids_to_send)
+        self.finished_ids_to_send = []
         budget = self.max_num_batched_tokens
 
         if self.policy == "priority":
@@ -160,15 +184,23 @@ class Scheduler:
         if end > known:  # at most one: the previous step's sample
             token_ids.append(0)
         sample = end == known + request.num_pending_tokens
+        request_id = request.request_id
+        if request_id not in self._sent_blocks:
+            output.new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
+                                                      request.want_prompt_logprobs))
+        sent = self._sent_blocks.get(request_id)
+        new_block_ids = self.kv.block_ids(request_id, start=sent or 0)
+        self._sent_blocks[request_id] = (sent or 0) + len(new_block_ids)
         output.scheduled.append(
             ScheduledRequest(
-                request_id=request.request_id,
+                request_id=request_id,
                 token_ids=token_ids,
                 start_position=start,
-                block_ids=self.kv.block_ids(request.request_id),
+                new_block_ids=new_block_ids,
                 sample=sample,
                 num_prompt_tokens=request.num_prompt_tokens,
                 last_token_pending=end > known,
+                reset_blocks=sent is None,
             )
         )
         request.num_computed_tokens = end
@@ -193,6 +225,7 @@ class Scheduler:
         or by priority."""
         self.running.remove(request)
         self.kv.free(request.request_id)
+        self._sent_blocks[request.request_id] = None
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -225,3 +258,5 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
+        if self._sent_blocks.pop(request.request_id, False) is not False:  # the worker holds its state
+            self.finished_ids_to_send.append(request.request_id)

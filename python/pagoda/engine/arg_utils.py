@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.logger import init_logger
 
 logger = init_logger(__name__)
@@ -30,6 +30,7 @@ class EngineArgs:
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni" or "mp"; None: uni for one rank, else mp
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
@@ -38,9 +39,10 @@ class EngineArgs:
     disable_log_stats: bool = True
     stats_interval: float = 10.0  # seconds between stats lines
 
-    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not built yet (use 1)")
+    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+        from pagoda.distributed.utils import verify_tensor_parallel
+
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=self.seed, load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
@@ -58,7 +60,9 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             scheduling_policy=self.scheduling_policy, async_scheduling=self.async_scheduling,
         )
-        return model_config, cache_config, scheduler_config
+        # Before any worker starts: a dimension that does not divide is the user's error.
+        verify_tensor_parallel(model_config.hf_config, parallel_config.tensor_parallel_size)
+        return model_config, cache_config, scheduler_config, parallel_config
 
     def create_engine(self):
         from pagoda.engine.llm_engine import LLMEngine

@@ -88,6 +88,8 @@ class InprocClient:
         except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
             logger.exception("the engine loop failed; failing every request")
             self.on_dead(exc)
+        finally:
+            core.shutdown()
 
     def _next_command(self):
         try:
@@ -115,7 +117,8 @@ def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multi
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     ours, theirs = context.Pipe(duplex=False)
     process = context.Process(target=run_engine_core, args=(args, eos_token_ids, address, theirs),
-                              name="pagoda-engine-core", daemon=True)
+                              # not daemonic: it spawns the worker processes of an mp executor
+                              name="pagoda-engine-core")
     process.start()
     theirs.close()
     while not ours.poll(STARTUP_POLL_S):

@@ -18,11 +18,7 @@ explains sends DEAD with the reason to every front end and exits 1."""
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
-import select
 import signal
-import threading
-import time
 
 import zmq
 
@@ -30,6 +26,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, RequestType
 from pagoda.logger import init_logger, tag_process_logs
+from pagoda.process_watch import exit_with_parent
 
 logger = init_logger(__name__)
 
@@ -42,7 +39,7 @@ def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tag_process_logs()
-    _exit_with_parent()
+    exit_with_parent()
     try:
         core = EngineCore(*args.create_engine_configs(), eos_token_ids)
         if not args.disable_log_stats:
@@ -58,24 +55,6 @@ def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: s
     raise SystemExit(proc.run())
 
 
-def _exit_with_parent() -> None:
-    """Ends this process as soon as its parent is gone (a SIGKILLed server
-    must not leave the model holding the GPU)."""
-    try:
-        parent = os.pidfd_open(os.getppid())
-    except (AttributeError, OSError):  # no pidfd (old kernel): poll instead
-        parent = None
-    parent_pid = os.getppid()
-
-    def watch() -> None:
-        if parent is not None:
-            select.select([parent], [], [])
-        else:
-            while os.getppid() == parent_pid:
-                time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="pagoda-parent-watch", daemon=True).start()
 
 
 class EngineCoreProc:
@@ -107,6 +86,7 @@ class EngineCoreProc:
             return 1
         finally:
             self._close()
+            self.core.shutdown()
         return 0
 
     def _receive(self, block: bool) -> bool:

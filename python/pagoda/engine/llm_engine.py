@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, OutputProcessorResult
 from pagoda.engine.processor import Processor, eos_token_ids, load_tokenizer
@@ -22,12 +22,13 @@ from pagoda.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 parallel_config: ParallelConfig | None = None):
         self.model_config = model_config
         # skip_tokenizer_init (vLLM's): token-id prompts only, outputs without text.
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
         self.eos_token_ids = eos_token_ids(model_config, self.tokenizer)
-        self.core = EngineCore(model_config, cache_config, scheduler_config, self.eos_token_ids)
+        self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids)
         self.processor = Processor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.processor.vocab_size
@@ -42,8 +43,14 @@ class LLMEngine:
         return self.core.kv_cache_manager
 
     @property
+    def worker(self):
+        """The in-process worker (the uni executor's; other executors keep
+        theirs in other processes)."""
+        return self.core.executor.worker
+
+    @property
     def runner(self):
-        return self.core.runner
+        return self.worker.runner
 
     @property
     def async_scheduling(self) -> bool:
@@ -52,13 +59,18 @@ class LLMEngine:
     @property
     def fault_hook(self):
         """A test hook, called as hook(stage, request_ids) where a step works
-        on those sequences ("prepare", "sample" in the core, "output" in the
-        front end); what it raises is handled as a failure of that work."""
-        return self.core.fault_hook
+        on those sequences ("prepare", "sample", "prompt logprobs" in the
+        worker, "output" in the front end); what it raises is handled as a
+        failure of that work."""
+        return self.output_processor.fault_hook
 
     @fault_hook.setter
     def fault_hook(self, hook) -> None:
-        self.core.fault_hook = self.output_processor.fault_hook = hook
+        self.worker.fault_hook = self.output_processor.fault_hook = hook
+
+    def shutdown(self) -> None:
+        """Stops the workers (their processes, with a multi-process executor)."""
+        self.core.shutdown()
 
     # --- requests -----------------------------------------------------------
 

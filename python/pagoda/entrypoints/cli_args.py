@@ -8,7 +8,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from pagoda.config import LOAD_FORMATS
+from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS
 from pagoda.core.request_queue import SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
@@ -83,7 +83,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="queue each step before reading the previous one's tokens, overlapping host and "
                             "device work (default: on for CUDA, off on the CPU)")
-    group.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="ranks the model is split over (torch.distributed: NCCL on GPUs, gloo on the CPU)")
+    group.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
+                       help="uni: the worker in the engine's process; mp: a process per rank "
+                            "(default: uni for one rank, mp for more)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                        help="fcfs: arrival order; priority: lowest request priority value first, ties by arrival")

@@ -4,6 +4,12 @@ Parameters carry their own `weight_loader(param, loaded_weight[, shard_id])`
 (vLLM's convention): a fused parameter such as qkv_proj knows where q, k and v
 go. A fused parameter also lists its `shard_ids`, so that a checkpoint missing
 one part of it is caught as surely as one missing a whole parameter.
+
+Under tensor parallelism loaded_weight is always the whole checkpoint tensor
+and the weight_loader narrows it to this rank's slice; a parameter that holds
+a slice records the whole tensor's shape as `full_shape`. loaded_weight may be
+a LazyTensor (safetensors): narrowing it reads nothing, so a rank reads only
+its slice of the file.
 """
 
 from __future__ import annotations
@@ -14,9 +20,53 @@ import torch
 from torch import nn
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    if param.shape != loaded_weight.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}")
+class LazyTensor:
+    """A checkpoint tensor not read yet, with the little of torch.Tensor's
+    interface weight loaders use (shape, dim, narrow). load() reads what the
+    narrowing left through safetensors' get_slice, and floating tensors come
+    out in `dtype`. Valid while the iterator that yielded it is at it (the
+    file handle closes when the iterator moves on)."""
+
+    def __init__(self, handle, name: str, dtype: torch.dtype, shape=None, index: tuple[slice, ...] | None = None):
+        self._handle, self._name, self._dtype = handle, name, dtype
+        self.shape = torch.Size(handle.get_slice(name).get_shape() if shape is None else shape)
+        self._index = index
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        dim %= self.dim()
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise ValueError(f"cannot narrow dim {dim} of size {self.shape[dim]} to [{start}, {start + length})")
+        if length == self.shape[dim]:  # the whole dim (every narrow at TP=1): still the plain read
+            return self
+        index = list(self._index or (slice(0, n) for n in self.shape))
+        offset = index[dim].start
+        index[dim] = slice(offset + start, offset + start + length)
+        shape = (*self.shape[:dim], length, *self.shape[dim + 1 :])
+        return LazyTensor(self._handle, self._name, self._dtype, shape, tuple(index))
+
+    def load(self, cast: bool = True) -> torch.Tensor:
+        """The tensor; cast=False leaves floating tensors in the file's dtype
+        (for a copy_ into a parameter, which casts without a second temporary)."""
+        # Unnarrowed (every tensor at TP=1): the plain read.
+        if self._index is None:
+            tensor = self._handle.get_tensor(self._name)
+        else:
+            tensor = self._handle.get_slice(self._name)[self._index]
+        return tensor.to(self._dtype) if cast and tensor.is_floating_point() else tensor
+
+
+def check_shape(expected: tuple[int, ...], loaded_weight: torch.Tensor | LazyTensor) -> None:
+    if tuple(expected) != tuple(loaded_weight.shape):
+        raise ValueError(f"shape mismatch: parameter {tuple(expected)}, checkpoint {tuple(loaded_weight.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | LazyTensor) -> None:
+    check_shape(param.shape, loaded_weight)
+    if isinstance(loaded_weight, LazyTensor):
+        loaded_weight = loaded_weight.load(cast=False)
     param.data.copy_(loaded_weight)  # casts to the parameter's dtype
 
 
@@ -30,7 +80,7 @@ def new_parameter(*shape: int, dtype: torch.dtype | None, weight_loader=default_
 
 def load_named_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
     stacked_params_mapping: Iterable[tuple[str, str, object]] = (),
     rename: Callable[[str], str | None] = lambda name: name,
 ) -> None:

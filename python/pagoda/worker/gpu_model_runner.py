@@ -76,7 +76,7 @@ class GPUModelRunner(ModelRunner):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            logits, _ = self.execute(self._dummy_step(lengths))
+            logits, _ = self.execute(*self._dummy_step(lengths))
             # The sampler's worst path: fp32 copies, logprobs, a full sort for top-k/top-p.
             params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5)] * num_reqs
             Sampler()(logits, SamplingMetadata.from_requests(params, [[] for _ in params], device=self.device))
@@ -97,12 +97,13 @@ class GPUModelRunner(ModelRunner):
             for layer in self.attention_layers:
                 layer.kv_cache = None
 
-    def _dummy_step(self, lengths: list[int]) -> SchedulerOutput:
-        """A step of prompts of these lengths, all sampling, every block id 0."""
-        return SchedulerOutput([
-            ScheduledRequest(f"dummy-{i}", [0] * n, 0, [0] * -(-n // self.block_size), True, n)
-            for i, n in enumerate(lengths)
-        ])
+    def _dummy_step(self, lengths: list[int]) -> tuple[SchedulerOutput, list[list[int]]]:
+        """A step of prompts of these lengths, all sampling, every block id 0
+        (with its block tables)."""
+        tables = [[0] * -(-n // self.block_size) for n in lengths]
+        step = SchedulerOutput([ScheduledRequest(f"dummy-{i}", [0] * n, 0, table, True, n)
+                                for i, (n, table) in enumerate(zip(lengths, tables))])
+        return step, tables
 
     def _compile_prefill_kernels(self) -> str:
         """The Triton prefill kernel compiles one variant per query-tile height
@@ -112,7 +113,7 @@ class GPUModelRunner(ModelRunner):
         lengths = [n for n in (32, 64, 128) if n <= min(self.max_num_tokens, self.model_config.max_model_len)]
         with self._stand_in_kv_cache():
             for num_tokens in lengths:
-                self.execute(self._dummy_step([num_tokens]))
+                self.execute(*self._dummy_step([num_tokens]))
         return f"query tiles for runs of up to {', '.join(map(str, lengths))} new tokens"
 
     def capture_model(self) -> None:

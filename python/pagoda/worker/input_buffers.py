@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -96,17 +97,20 @@ class InputBuffers:
         self._copied = torch.cuda.Event() if on_gpu else None
 
     def prepare(
-        self, scheduled: SchedulerOutput, pad_to: int | None = None, previous: SchedulerOutput | None = None
+        self, scheduled: SchedulerOutput, block_ids: Sequence[Sequence[int]] = (), pad_to: int | None = None,
+        previous: SchedulerOutput | None = None,
     ) -> ModelInputs:
-        """Fills the buffers for one step; with pad_to (a decode step only),
-        appends padding rows up to that batch size. previous: the step whose
+        """Fills the buffers for one step: block_ids[i] is the whole block
+        table of scheduled.scheduled[i] (the worker keeps them). With pad_to
+        (a decode step only), appends padding rows up to that batch size.
+        previous: the step whose
         sampled ids fill pending tokens (needed when a request's last token
         is pending); its sampling requests' order gives their rows."""
         items = scheduled.scheduled
         num_reqs = len(items)
         q_lens = np.fromiter((len(item.token_ids) for item in items), np.int64, num_reqs)
         num_tokens = int(q_lens.sum())
-        num_blocks = np.fromiter((len(item.block_ids) for item in items), np.int64, num_reqs)
+        num_blocks = np.fromiter((len(ids) for ids in block_ids), np.int64, num_reqs)
         width = int(num_blocks.max()) if num_reqs else 0
         self._check_capacity(num_reqs, num_tokens, width, pad_to)
         if pad_to is not None and num_tokens != num_reqs:
@@ -128,7 +132,7 @@ class InputBuffers:
         block_tables.fill(0)
         # One pass over all block ids (row-major, as the mask's True entries).
         block_tables[np.arange(width) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(item.block_ids for item in items), np.int32, int(num_blocks.sum())
+            itertools.chain.from_iterable(block_ids), np.int32, int(num_blocks.sum())
         )
         block_size = self.block_size
         np.add(

@@ -9,6 +9,10 @@ The model runner owns the caches: it allocates one (key_cache, value_cache)
 pair per layer, each [num_blocks, block_size, num_kv_heads, head_size] in the
 model's dtype, binds them with bind_kv_caches(), and runs the model inside
 set_forward_context(AttentionMetadata(...)).
+
+Under tensor parallelism a layer's num_heads and num_kv_heads are this rank's
+share of the heads (the models pass their QKVParallelLinear's), so the caches
+sized from them hold this rank's KV heads only.
 """
 
 from __future__ import annotations

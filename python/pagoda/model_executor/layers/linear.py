@@ -1,10 +1,20 @@
-"""Linear layers under vLLM's names, without tensor parallelism yet.
+"""Linear layers under vLLM's names, sharded for tensor parallelism.
 
-The names mark where tensor parallelism will split the weights (column
-parallel: output rows; row parallel: input columns plus an all-reduce). The
-fused layers concatenate several Hugging Face projections along the output
-dimension so one matmul does them all; their weight_loader puts each
-checkpoint part (and its bias) at its offset.
+Column parallel layers split the output features: each rank holds a slice of
+the weight's rows (and of the bias) and computes that slice of the output.
+Row parallel layers split the input features: each rank holds a slice of the
+weight's columns, takes the matching slice of the input (what a column
+parallel layer before it produced) and the partial outputs are all-reduced.
+A column parallel layer followed by a row parallel one thus costs one
+all-reduce. The fused layers concatenate several Hugging Face projections
+along the output dimension so one matmul does them all, each part sharded on
+its own; their weight_loader puts this rank's slice of each checkpoint part
+(and its bias) at its offset.
+
+Every parameter records the whole tensor's shape as `full_shape`: the
+weight_loader takes the whole checkpoint tensor (or a LazyTensor of it) and
+narrows it to this rank's slice. With one rank nothing is split and no
+collective runs.
 """
 
 from __future__ import annotations
@@ -14,7 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import ops
-from pagoda.model_executor.weight_utils import default_weight_loader, new_parameter
+from pagoda.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from pagoda.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from pagoda.distributed.utils import divide
+from pagoda.model_executor.weight_utils import check_shape, default_weight_loader, new_parameter
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,11 +42,31 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None):
+    """input_size -> output_size overall; this rank's weight is
+    [output_size_per_partition, input_size_per_partition] (the whole one
+    unless a subclass splits a dimension)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        input_size_per_partition: int | None = None,
+        output_size_per_partition: int | None = None,
+    ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = new_parameter(output_size, input_size, dtype=dtype, weight_loader=self.weight_loader)
-        self.bias = new_parameter(output_size, dtype=dtype, weight_loader=self.weight_loader) if bias else None
+        self.input_size_per_partition = input_size_per_partition or input_size
+        self.output_size_per_partition = output_size_per_partition or output_size
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        rows, cols = self.output_size_per_partition, self.input_size_per_partition
+        self.weight = new_parameter(rows, cols, dtype=dtype, weight_loader=self.weight_loader)
+        self.weight.full_shape = (output_size, input_size)
+        self.bias = None
+        if bias:
+            self.bias = new_parameter(rows, dtype=dtype, weight_loader=self.weight_loader)
+            self.bias.full_shape = (output_size,)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
@@ -45,47 +78,119 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Same weights on every rank."""
 
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(input_size, output_size, bias, dtype)
+
 
 class ColumnParallelLinear(LinearBase):
-    """Tensor parallelism will give each rank a slice of the output rows."""
+    """Each rank computes output_size / tp of the output features;
+    gather_output all-gathers the whole output onto every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        gather_output: bool = False,
+    ):
+        self.gather_output = gather_output
+        local = self.local_output_size(output_size, get_tensor_model_parallel_world_size())
+        super().__init__(input_size, output_size, bias, dtype, output_size_per_partition=local)
+
+    def local_output_size(self, output_size: int, tp_size: int) -> int:
+        return divide(output_size, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_shape(param.full_shape, loaded_weight)
+        rows = param.shape[0]  # weight and bias alike: this rank's block of output rows
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * rows, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = dense(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
 class RowParallelLinear(LinearBase):
-    """Tensor parallelism will give each rank a slice of the input columns and
-    all-reduce the outputs."""
+    """Each rank multiplies its input_size / tp input features (the output of
+    a column parallel layer) and the partial outputs are all-reduced; the bias
+    is whole on every rank and added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None):
+        local = divide(input_size, get_tensor_model_parallel_world_size())
+        super().__init__(input_size, output_size, bias, dtype, input_size_per_partition=local)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_shape(param.full_shape, loaded_weight)
+        if param is self.weight:
+            cols = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * cols, cols)
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return dense(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(dense(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class _FusedColumnLinear(ColumnParallelLinear):
-    """Output rows split into named parts: shard_id -> (offset, size)."""
+    """Output rows split into named parts, each sharded across ranks on its
+    own. parts: shard_id -> (size, start, local_size): the part's rows in the
+    checkpoint, and this rank's local_size of them from row `start` on; the
+    rank's weight holds its slices of the parts one after the other."""
 
     def __init__(self, input_size: int, parts: dict, bias: bool, dtype: torch.dtype | None):
         self.parts = parts
-        super().__init__(input_size, sum(size for _, size in parts.values()), bias, dtype)
+        self.local_offsets, offset = {}, 0
+        for shard_id, (_, _, local_size) in parts.items():
+            self.local_offsets[shard_id], offset = offset, offset + local_size
+        super().__init__(input_size, sum(size for size, _, _ in parts.values()), bias, dtype)
         for param in (self.weight, self.bias):
             if param is not None:
                 param.shard_ids = tuple(parts)
 
+    def local_output_size(self, output_size: int, tp_size: int) -> int:
+        return sum(local_size for _, _, local_size in self.parts.values())
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # a checkpoint that is already fused
-            return default_weight_loader(param, loaded_weight)
+        if shard_id is None:  # a checkpoint that is already fused (or dummy weights): part by part
+            check_shape(param.full_shape, loaded_weight)
+            offset = 0
+            for part, (size, _, _) in self.parts.items():
+                self.weight_loader(param, loaded_weight.narrow(0, offset, size), part)
+                offset += size
+            return
         if shard_id not in self.parts:
             raise ValueError(f"unknown shard {shard_id!r}; this layer has {list(self.parts)}")
-        offset, size = self.parts[shard_id]
-        default_weight_loader(param.narrow(0, offset, size), loaded_weight)
+        size, start, local_size = self.parts[shard_id]
+        check_shape((size, *param.full_shape[1:]), loaded_weight)
+        default_weight_loader(
+            param.narrow(0, self.local_offsets[shard_id], local_size), loaded_weight.narrow(0, start, local_size)
+        )
 
 
 class MergedColumnParallelLinear(_FusedColumnLinear):
     """Several projections of one input, e.g. an MLP's gate and up (shard ids
-    0, 1, ... in the order of output_sizes)."""
+    0, 1, ... in the order of output_sizes); each rank holds its slice of
+    every one, so [gate | up] stays the local layout."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None):
-        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        super().__init__(input_size, {i: (offsets[i], size) for i, size in enumerate(output_sizes)}, bias, dtype)
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        parts = {}
+        for i, size in enumerate(output_sizes):
+            local_size = divide(size, tp_size)
+            parts[i] = (size, tp_rank * local_size, local_size)
+        super().__init__(input_size, parts, bias, dtype)
 
 
 class QKVParallelLinear(_FusedColumnLinear):
     """q, k and v projections in one matmul; output [T, (H + 2 * Hkv) * head_size]
-    with q first, then k, then v (shard ids "q", "k", "v")."""
+    with q first, then k, then v (shard ids "q", "k", "v"), where H and Hkv are
+    this rank's num_heads = total_num_heads / tp and num_kv_heads =
+    max(1, total_num_kv_heads / tp). With fewer KV heads than ranks each KV
+    head is replicated: rank r holds KV head r * total_num_kv_heads // tp, the
+    one its query heads attend with."""
 
     def __init__(
         self,
@@ -96,8 +201,24 @@ class QKVParallelLinear(_FusedColumnLinear):
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ):
-        self.q_size = total_num_heads * head_size
-        self.kv_size = (total_num_kv_heads or total_num_heads) * head_size
-        q, kv = self.q_size, self.kv_size
-        parts = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+        elif tp_size % total_num_kv_heads == 0:
+            self.num_kv_heads = 1
+        else:
+            raise ValueError(
+                f"{total_num_kv_heads} KV heads can neither be split among nor replicated over {tp_size} ranks"
+            )
+        self.head_size = head_size
+        self.q_size, self.kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        q, kv = total_num_heads * head_size, total_num_kv_heads * head_size
+        kv_start = tp_rank * total_num_kv_heads // tp_size * head_size
+        parts = {
+            "q": (q, tp_rank * self.q_size, self.q_size),
+            "k": (kv, kv_start, self.kv_size),
+            "v": (kv, kv_start, self.kv_size),
+        }
         super().__init__(hidden_size, parts, bias, dtype)

@@ -49,7 +49,11 @@ def get_model(
     Parameters are created directly on `device` (default: torch's default
     device) in `dtype`, untouched until loaded, and weights stream in one
     tensor at a time (read on the CPU, copied into place): peak memory stays
-    near the final weights' size, and a GPU model never exists on the CPU."""
+    near the final weights' size, and a GPU model never exists on the CPU.
+
+    Under tensor parallelism (pagoda.distributed's initialize_model_parallel
+    called in this process) the model is this rank's shard, and the rank
+    reads only its slices of a safetensors checkpoint."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":

@@ -3,6 +3,10 @@ dequantized one at a time to the model's dtype.
 
 The config (and tokenizer) of a GGUF model come from transformers:
 AutoConfig.from_pretrained(folder, gguf_file=name).
+
+Under tensor parallelism every rank reads and dequantizes whole tensors and
+the weight_loaders narrow them to the rank's slice: each rank pays for the
+whole dequantization, acceptable for the small quantized models GGUF carries.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from pagoda.model_executor.weight_utils import LazyTensor
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -38,8 +40,10 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def safetensors_weights_iterator(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) with floating tensors cast to dtype, one at a time."""
+def safetensors_weights_iterator(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, LazyTensor) one at a time, floating tensors read in dtype. Each
+    is read when its weight_loader loads it, and only the slice it narrows
+    it to: under tensor parallelism a rank reads its part of the file."""
     for path in files:
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
@@ -48,6 +52,6 @@ def safetensors_weights_iterator(files: list[str], dtype: torch.dtype) -> Iterat
             # every page read through a handle stays resident until it closes,
             # so reading a whole shard through one handle would hold a second
             # copy of the weights at the end (peak RSS ~2x instead of ~1x).
+            # The handle stays open while the consumer loads the tensor.
             with safe_open(path, framework="pt") as f:
-                tensor = f.get_tensor(name)
-            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield name, LazyTensor(f, name, dtype)

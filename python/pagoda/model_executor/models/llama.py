@@ -3,6 +3,11 @@ also the base of Qwen2 and Qwen3, which differ only in their attention block.
 
 Tokens of all sequences are concatenated: input_ids/positions [T], hidden
 states [T, hidden]. Attention reads the batch layout from the forward context.
+
+Under tensor parallelism each rank runs its share of the query and KV heads
+and of the MLP's intermediate features (qkv_proj and gate_up_proj column
+parallel, o_proj and down_proj row parallel: one all-reduce each); hidden
+states are whole on every rank.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.model_executor.layers.activation import SiluAndMul
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model_executor.layers.rotary_embedding import get_rope, rope_parameters_from_config
 from pagoda.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model_executor.weight_utils import load_named_weights
+from pagoda.model_executor.weight_utils import LazyTensor, load_named_weights
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +52,17 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         qkv_bias, o_bias = self.biases(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, o_bias, dtype)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads, qkv_bias, dtype
+        )
+        # This rank's heads.
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size, o_bias, dtype)
         theta, rope_scaling, partial_rotary_factor = rope_parameters_from_config(config)
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -135,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, dtype: torch.dtype):
         super().__init__()
         self.config = hf_config
+        verify_tensor_parallel(hf_config, get_tensor_model_parallel_world_size())
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "model_type", "") == "mistral":
@@ -155,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
         # Some tied checkpoints still carry a copy of the embedding as lm_head.
         skip = "lm_head.weight" if self.tie_word_embeddings else None
         load_named_weights(self, weights, self.stacked_params_mapping, lambda n: None if n == skip else n)

@@ -2,33 +2,49 @@
 positional embeddings, LayerNorm before (do_layer_norm_before, most sizes) or
 after (opt-350m) each block, a plain fc1 -> activation -> fc2 MLP, biases
 everywhere, embeddings of word_embed_proj_dim projected in and out when that
-differs from hidden_size, and an LM head tied to the embedding."""
+differs from hidden_size, and an LM head tied to the embedding.
+
+Under tensor parallelism the attention heads and fc1/fc2's ffn_dim are split
+(out_proj and fc2 row parallel); the positional embedding and the small
+project_in/project_out stay whole on every rank."""
 
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.model_executor.layers.activation import get_act_fn
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import LayerNorm
-from pagoda.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pagoda.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model_executor.weight_utils import load_named_weights
+from pagoda.model_executor.weight_utils import LazyTensor, load_named_weights, new_parameter
 
 
-class OPTLearnedPositionalEmbedding(VocabParallelEmbedding):
+class OPTLearnedPositionalEmbedding(nn.Module):
+    """Whole on every rank: splitting a table this small would cost an
+    all-reduce per step for nothing."""
+
     # OPT's table starts at row 2 (a fairseq padding convention): position p
     # reads row p + 2.
     offset = 2
 
     def __init__(self, max_positions: int, embedding_dim: int, dtype: torch.dtype):
-        super().__init__(max_positions + self.offset, embedding_dim, dtype)
+        super().__init__()
+        self.weight = new_parameter(max_positions + self.offset, embedding_dim, dtype=dtype)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return super().forward(positions + self.offset)
+        return F.embedding(positions + self.offset, self.weight)
 
 
 class OPTAttention(nn.Module):
@@ -39,7 +55,7 @@ class OPTAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_heads, config.enable_bias, dtype)
         self.out_proj = RowParallelLinear(hidden, hidden, config.enable_bias, dtype)
         # Hugging Face scales q before q @ k^T; scaling the scores is the same.
-        self.attn = Attention(num_heads, head_dim, head_dim**-0.5)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim**-0.5)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).chunk(3, dim=-1)
@@ -78,8 +94,8 @@ class OPTDecoder(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, dtype)
         self.embed_positions = OPTLearnedPositionalEmbedding(config.max_position_embeddings, hidden, dtype)
         projected = proj_dim != hidden
-        self.project_in = ColumnParallelLinear(proj_dim, hidden, False, dtype) if projected else None
-        self.project_out = ColumnParallelLinear(hidden, proj_dim, False, dtype) if projected else None
+        self.project_in = ReplicatedLinear(proj_dim, hidden, False, dtype) if projected else None
+        self.project_out = ReplicatedLinear(hidden, proj_dim, False, dtype) if projected else None
         has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = config.layer_norm_elementwise_affine
         self.final_layer_norm = LayerNorm(hidden, elementwise_affine=affine, dtype=dtype) if has_final_norm else None
@@ -114,6 +130,7 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, hf_config, dtype: torch.dtype):
         super().__init__()
         self.config = hf_config
+        verify_tensor_parallel(hf_config, get_tensor_model_parallel_world_size())
         self.model = OPTModel(hf_config, dtype)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.word_embed_proj_dim, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
@@ -127,7 +144,7 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
         def rename(name: str) -> str | None:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None

@@ -1,6 +1,7 @@
 """Qwen3 (Hugging Face's Qwen3ForCausalLM): Llama's architecture plus an
 RMSNorm over each head of q and k (q_norm/k_norm) before RoPE; head_dim comes
-from the config (it is not hidden_size / num_heads for most sizes)."""
+from the config (it is not hidden_size / num_heads for most sizes). The norms
+being per head, a rank applies them to its own heads alone."""
 
 from __future__ import annotations
 
