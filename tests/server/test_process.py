@@ -200,6 +200,36 @@ def test_a_killed_engine_core_process_makes_the_server_exit_1(model_folder):
     assert "shut down cleanly" not in stderr
 
 
+def test_a_killed_tensor_parallel_worker_makes_the_server_exit_1(model_folder):
+    """-tp 2: the engine core's two worker processes; one killed mid-stream
+    fails the engine at once (the stream ends with an error event naming
+    the rank, /health would say 503), the server exits 1 and no worker is
+    left behind."""
+    proc, url = start(model_folder, "--tensor-parallel-size", "2")
+    try:
+        (core,) = children(proc.pid)
+        workers = children(core)
+        assert len(workers) == 2, workers
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(workers[1], signal.SIGKILL)
+            rest = list(lines)
+        events = [line for line in rest if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+        assert proc.wait(60) == 1
+        stderr = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "worker rank 1" in stderr, stderr
+    for pid in [core, *workers]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_sigterm_stops_the_engine_core_process_too(model_folder):
     proc, url = start(model_folder)
     try:
