@@ -1,8 +1,11 @@
-"""Child processes that end with their parent: a SIGKILLed server must not
-leave an engine core or a worker holding the GPU."""
+"""Pagoda's child processes (the engine core, workers): they end with their
+parent, so a SIGKILLed server leaves no process holding the GPU, and an
+error they hit while starting is raised in the parent as the kind the caller
+would catch in process."""
 
 from __future__ import annotations
 
+import builtins
 import os
 import select
 import threading
@@ -26,3 +29,15 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="pagoda-parent-watch", daemon=True).start()
+
+
+def raise_startup_error(kind: str, text: str, otherwise: type[Exception], what: str) -> None:
+    """Raises the error a child reported while starting (its type's name
+    and message): bad flags or model files as ValueError or OSError, as in
+    process; anything else as `otherwise` ("{what} failed to start: ...")."""
+    error = getattr(builtins, kind, None)
+    if isinstance(error, type) and issubclass(error, ValueError):
+        raise ValueError(text)
+    if isinstance(error, type) and issubclass(error, OSError):
+        raise OSError(text)
+    raise otherwise(f"{what} failed to start: {kind}: {text}")

@@ -177,20 +177,27 @@ def children(pid: int) -> list[int]:
     return [c for c in found if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
 
 
+def kill_mid_stream(url: str, pid: int) -> None:
+    """SIGKILLs `pid` once a long streamed completion has sent its first
+    chunk; the stream must then end with an error event and [DONE]."""
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(pid, signal.SIGKILL)
+        rest = list(lines)
+    events = [line for line in rest if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+
+
 def test_a_killed_engine_core_process_makes_the_server_exit_1(model_folder):
     """The engine core runs in its own process: killed mid-stream, the
     stream ends with an error event and the server drains and exits 1."""
     proc, url = start(model_folder)
     try:
         (core,) = children(proc.pid)
-        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 100, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            os.kill(core, signal.SIGKILL)
-            rest = list(lines)
-        events = [line for line in rest if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+        kill_mid_stream(url, core)
         assert proc.wait(60) == 1
         stderr = proc.stderr.read()
     finally:
@@ -202,23 +209,14 @@ def test_a_killed_engine_core_process_makes_the_server_exit_1(model_folder):
 
 def test_a_killed_tensor_parallel_worker_makes_the_server_exit_1(model_folder):
     """-tp 2: the engine core's two worker processes; one killed mid-stream
-    fails the engine at once (the stream ends with an error event naming
-    the rank, /health would say 503), the server exits 1 and no worker is
-    left behind."""
+    fails the engine at once (the stream ends with an error event, the log
+    names the rank), the server exits 1 and no worker is left behind."""
     proc, url = start(model_folder, "--tensor-parallel-size", "2")
     try:
         (core,) = children(proc.pid)
         workers = children(core)
         assert len(workers) == 2, workers
-        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 120, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200, r.read()
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            os.kill(workers[1], signal.SIGKILL)
-            rest = list(lines)
-        events = [line for line in rest if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+        kill_mid_stream(url, workers[1])
         assert proc.wait(60) == 1
         stderr = proc.stderr.read()
     finally:

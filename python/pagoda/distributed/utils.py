@@ -11,6 +11,16 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def num_kv_heads_per_rank(total_num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each rank holds: its share, or 1 (replicated) when there are
+    fewer KV heads than ranks and they divide the ranks."""
+    tp = tensor_parallel_size
+    if (total_num_kv_heads % tp) if total_num_kv_heads >= tp else (tp % total_num_kv_heads):
+        raise ValueError(f"num_key_value_heads ({total_num_kv_heads}) must be a multiple or a divisor of "
+                         f"tensor_parallel_size ({tp})")
+    return max(1, total_num_kv_heads // tp)
+
+
 def verify_tensor_parallel(hf_config, tensor_parallel_size: int) -> None:
     """Raises ValueError, naming the config field and the values, unless every
     dimension that tensor parallelism splits divides among tensor_parallel_size
@@ -25,11 +35,7 @@ def verify_tensor_parallel(hf_config, tensor_parallel_size: int) -> None:
     num_heads = hf_config.num_attention_heads
     if num_heads % tp:
         raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({tp})")
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    if (num_kv_heads % tp) if num_kv_heads >= tp else (tp % num_kv_heads):
-        raise ValueError(
-            f"num_key_value_heads ({num_kv_heads}) must be a multiple or a divisor of tensor_parallel_size ({tp})"
-        )
+    num_kv_heads_per_rank(getattr(hf_config, "num_key_value_heads", None) or num_heads, tp)
     field = "intermediate_size" if getattr(hf_config, "intermediate_size", None) is not None else "ffn_dim"
     size = getattr(hf_config, field, None)
     if size is not None and size % tp:

@@ -6,7 +6,6 @@ core dies, on a thread of their own."""
 
 from __future__ import annotations
 
-import builtins
 import multiprocessing
 import os
 import queue
@@ -23,6 +22,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                          RequestType)
 from pagoda.logger import init_logger
+from pagoda.process_watch import raise_startup_error
 
 logger = init_logger(__name__)
 
@@ -131,13 +131,7 @@ def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multi
         process.join()
         shutil.rmtree(socket_dir, ignore_errors=True)
         _, kind, text = message
-        error = getattr(builtins, kind, None)
-        # Bad flags or model files: the kind the caller would catch in process.
-        if isinstance(error, type) and issubclass(error, ValueError):
-            raise ValueError(text)
-        if isinstance(error, type) and issubclass(error, OSError):
-            raise OSError(text)
-        raise EngineCoreDiedError(f"the engine core failed to start: {kind}: {text}")
+        raise_startup_error(kind, text, EngineCoreDiedError, "the engine core")
     logger.info("engine core process %d ready", process.pid)
     return process, address, socket_dir
 

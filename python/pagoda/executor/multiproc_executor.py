@@ -32,7 +32,7 @@ from pagoda.core.scheduler import SchedulerOutput
 from pagoda.executor.abstract import Executor, StepFuture
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.outputs import ModelRunnerOutput
-from pagoda.process_watch import exit_with_parent
+from pagoda.process_watch import exit_with_parent, raise_startup_error
 
 logger = init_logger(__name__)
 
@@ -99,10 +99,7 @@ class MultiprocExecutor(Executor):
         message = self._wait(rank, others_send_errors_only=False)  # the others send their own replies
         if message[0] == "error":
             _, kind, text = message
-            # Bad flags or model files: the kind the caller would catch in process.
-            if kind in ("ValueError", "FileNotFoundError", "OSError"):
-                raise (ValueError if kind == "ValueError" else OSError)(text)
-            raise WorkerDiedError(f"worker rank {rank} failed to start: {kind}: {text}")
+            raise_startup_error(kind, text, WorkerDiedError, f"worker rank {rank}")
         return message[1]
 
     def _wait(self, rank: int, others_send_errors_only: bool = True):

@@ -120,15 +120,15 @@ class Worker:
         self._update_states(scheduled)
         failed: dict[str, str] = {}
         items = scheduled.scheduled
-        rows = [item.request_id for item in items if item.sample]
-        metadata = None
+        sampling_ids = [item.request_id for item in items if item.sample]
+        rows, metadata = sampling_ids, None
         if rows:
             # Built before the forward pass is queued: its host-to-device
             # copies then go ahead of the model's work on the GPU stream.
             rows, metadata = self._per_request("prepare", rows, failed, self._sampling_metadata,
                                                lambda row, request_id: self._sampling_metadata([request_id], trial=True))
         wants = frozenset(item.request_id for item in items if self._wants_prompt_logprobs(item.request_id))
-        previous = self._previous.samples if self._previous is not None and self._previous.samples is not None else None
+        previous = None if self._previous is None else self._previous.samples
         logits, prompt_logits = self.runner.execute(
             scheduled, [self.requests[item.request_id].block_ids for item in items], wants,
             None if previous is None else previous.sampled,
@@ -147,8 +147,7 @@ class Worker:
                 if request_id is not None:
                     self.requests[request_id].num_sampled += 1
         states = {item.request_id: self.requests[item.request_id] for item in items}
-        handle = StepHandle(self, [item.request_id for item in items if item.sample], states, samples, prompt_logits,
-                            failed)
+        handle = StepHandle(self, sampling_ids, states, samples, prompt_logits, failed)
         self._previous = handle
         return handle
 

@@ -26,7 +26,7 @@ from torch import nn
 from pagoda import ops
 from pagoda.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from pagoda.distributed.utils import divide
+from pagoda.distributed.utils import divide, num_kv_heads_per_rank
 from pagoda.model_executor.weight_utils import check_shape, default_weight_loader, new_parameter
 
 
@@ -204,14 +204,7 @@ class QKVParallelLinear(_FusedColumnLinear):
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.num_heads = divide(total_num_heads, tp_size)
-        if total_num_kv_heads >= tp_size:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
-        elif tp_size % total_num_kv_heads == 0:
-            self.num_kv_heads = 1
-        else:
-            raise ValueError(
-                f"{total_num_kv_heads} KV heads can neither be split among nor replicated over {tp_size} ranks"
-            )
+        self.num_kv_heads = num_kv_heads_per_rank(total_num_kv_heads, tp_size)
         self.head_size = head_size
         self.q_size, self.kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
         q, kv = total_num_heads * head_size, total_num_kv_heads * head_size
