@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The serving path against the engine on the GPU host, in one command: the
 # same requests through `pagoda serve` (client: `pagoda bench serve`) and
-# through `pagoda bench throughput`, plus a py-spy profile of the server
-# under saturation (where the host time goes, per thread).
+# through `pagoda bench throughput`, plus, under saturation, the CPU each
+# process uses (tools/gpu/proc_cpu.py) and py-spy profiles of the server and
+# the client (where the host time goes, per thread).
 #
 #   tools/gpu/serve_vs_offline.sh SHAPE TOKENIZER_DIR [RATE ...]
 #
@@ -12,7 +13,8 @@
 # to "inf"; NUM_PROMPTS (1000), INPUT_LEN (512) and OUTPUT_LEN (128) set the workload
 # (RATED_PROMPTS, default NUM_PROMPTS: the prompts of each finite rate's run);
 # SERVER_ARGS go to the server (e.g. --api-server-count 2), TAG names such a
-# run's files; SKIP_OFFLINE=1 leaves out the offline run. Needs the server's packages (starlette, uvicorn, pydantic) and,
+# run's files; SKIP_OFFLINE=1 leaves out the offline run; PROFILE_DELAY (2)
+# and PROFILE_S (5) place the saturated window. Needs the server's packages (starlette, uvicorn, pydantic) and,
 # for the profile, py-spy on PATH. Logs and JSON go to $OUT (default
 # ./gpu-results).
 set -uo pipefail
@@ -39,27 +41,44 @@ for _ in $(seq 600); do
 done
 
 for rate in "${rates[@]}"; do
-  profile=()
-  if [[ $rate == inf ]] && command -v py-spy >/dev/null; then
-    # 20 s in the middle of the saturated run; --idle off: only time spent running.
-    # --subprocesses: the engine-core process too.
-    (sleep 8 && py-spy record --pid $server --subprocesses --duration 20 --rate 200 --threads --format raw \
-      --output "$out/profile_$name.txt" >"$out/py-spy_$name.log" 2>&1) &
-    profile=($!)
-  fi
   # Random prompts are token ids of the model's vocabulary (its config); the server detokenizes.
   prompts=()
   [[ $rate != inf ]] && prompts=(--num-prompts "${RATED_PROMPTS:-${NUM_PROMPTS:-1000}}")
   python3 -m pagoda.entrypoints.cli bench serve --port $port --model "$shape" --tokenizer "$model" \
     "${workload[@]}" "${prompts[@]}" --ignore-eos --request-rate "$rate" --disable-tqdm --save-result --result-dir "$out" \
-    --result-filename "serve_${name}_rate_$rate.json" 2>&1 | tail -n 22
-  [[ ${#profile[@]} -gt 0 ]] && wait "${profile[0]}"
+    --result-filename "serve_${name}_rate_$rate.json" >"$out/client_${name}_rate_$rate.log" 2>&1 &
+  client=$!
+  watchers=()
+  if [[ $rate == inf ]]; then
+    # A window of the saturated run (PROFILE_DELAY s after the client starts
+    # sending, PROFILE_S long): CPU per
+    # process (server, engine core, client: which one is the bound), and py-spy
+    # (--idle off: only time spent running) of the server tree and of the client.
+    delay=${PROFILE_DELAY:-2} window=${PROFILE_S:-5} log="$out/client_${name}_rate_$rate.log"
+    started() {  # the client imported, built its requests and started sending, $delay s ago
+      until grep -q '^bench serve:' "$log"; do kill -0 $client 2>/dev/null || return 1; sleep 0.2; done
+      sleep "$delay"
+    }
+    (started && python3 tools/gpu/proc_cpu.py --duration "$window" $server $client >"$out/cpu_$name.txt" 2>&1) &
+    watchers+=($!)
+    if command -v py-spy >/dev/null; then
+      for target in server client; do
+        (started && py-spy record --pid "${!target}" --subprocesses --nonblocking --duration "$window" --rate 200 --threads \
+          --format raw --output "$out/profile_${name}_$target.txt" >"$out/py-spy_${name}_$target.log" 2>&1) &
+        watchers+=($!)
+      done
+    fi
+  fi
+  wait $client
+  tail -n 22 "$out/client_${name}_rate_$rate.log"
+  [[ ${#watchers[@]} -gt 0 ]] && wait "${watchers[@]}"
 done
 kill $server; wait $server 2>/dev/null; trap - EXIT
 
 [[ ${SKIP_OFFLINE:-0} == 1 ]] || python3 -m pagoda.entrypoints.cli bench throughput --model-shape "$shape" --tokenizer "$tokenizer" "${workload[@]}" \
   --disable-tqdm --output-json "$out/throughput_$shape.json" 2>&1 | tail -n 2
 
-if [[ -f $out/profile_$name.txt ]]; then
-  python3 tools/gpu/profile_summary.py "$out/profile_$name.txt"
-fi
+cat "$out/cpu_$name.txt" 2>/dev/null
+for target in server client; do
+  [[ -f $out/profile_${name}_$target.txt ]] && python3 tools/gpu/profile_summary.py "$out/profile_${name}_$target.txt"
+done

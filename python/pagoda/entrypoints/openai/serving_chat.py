@@ -63,7 +63,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     return JSONResponse(body)
 
 
-async def _stream(state, request, request_id, created, model, prompts, params) -> AsyncIterator[str]:
+async def _stream(state, request, request_id, created, model, prompts, params) -> AsyncIterator[bytes]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="chat.completion.chunk", created=created, model=model)
     # OpenAI opens every choice with a delta that only carries the role.

@@ -57,7 +57,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
     return JSONResponse(body)
 
 
-async def _stream(state, request, request_id, created, model, prompts, params, echo) -> AsyncIterator[str]:
+async def _stream(state, request, request_id, created, model, prompts, params, echo) -> AsyncIterator[bytes]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="text_completion", created=created, model=model)
     started = set()  # choices whose echoed prompt went out

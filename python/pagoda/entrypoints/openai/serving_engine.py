@@ -6,12 +6,12 @@ timings, and the streamed chunks (server-sent events) with their send bound."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -206,7 +206,7 @@ def request_timings(outputs: list[RequestOutput]) -> dict[str, float]:
 
 async def stream_choices(state: ServerState, request: Any, request_id: str, chunk: dict, prompts: list[Any],
                          params: SamplingParams,
-                         choice: Callable[[int, int, CompletionOutput], dict]) -> AsyncIterator[str]:
+                         choice: Callable[[int, int, CompletionOutput], dict]) -> AsyncIterator[bytes]:
     """The streamed body after any opening chunks: one chunk per choice that
     has something new (choice index = prompt index * n + output index;
     choice(prompt index, choice index, delta) builds it), an error event if
@@ -237,7 +237,7 @@ async def stream_choices(state: ServerState, request: Any, request_id: str, chun
     yield sse("[DONE]")
 
 
-def stream_error(state: ServerState, exc: BaseException) -> str:
+def stream_error(state: ServerState, exc: BaseException) -> bytes:
     """An error after the stream's headers went out: the error object as an
     event (and a failed request in /metrics)."""
     error = engine_error(exc)
@@ -246,7 +246,7 @@ def stream_error(state: ServerState, exc: BaseException) -> str:
     return sse(error.body())
 
 
-def closing_chunk(chunk: dict, usage: dict | None, timings: dict | None) -> str | None:
+def closing_chunk(chunk: dict, usage: dict | None, timings: dict | None) -> bytes | None:
     """The stream's last chunk before [DONE]: no choices, with the usage
     and/or timings the request asked for (None when it asked for neither)."""
     if usage is None and timings is None:
@@ -257,42 +257,64 @@ def closing_chunk(chunk: dict, usage: dict | None, timings: dict | None) -> str 
     return sse(dict(chunk, choices=[], **extra))
 
 
-class _ClientStalled(Exception):
-    """A send to the client waited past the stream's send_timeout."""
-
-
 class EventStream(StreamingResponse):
     """Server-sent events for a client that must keep reading: a chunk that
     cannot be sent for `send_timeout` seconds (the client stopped reading
     and the socket buffers are full, so the send waits) ends the stream. Its
     engine requests are aborted, freeing their KV blocks, and the
     connection is closed, so a stalled client holds no more than the
-    buffers and the time bound."""
+    buffers and the time bound.
 
-    def __init__(self, events: AsyncIterator[str], send_timeout: float | None):
+    The bound costs a clock read per chunk: one deadline for the whole
+    stream, moved by a watchdog that wakes once per send_timeout, rather
+    than a timer armed and cancelled around every send."""
+
+    def __init__(self, events: AsyncIterator[bytes], send_timeout: float | None):
         super().__init__(events, media_type="text/event-stream")
         self.send_timeout = send_timeout
 
     async def stream_response(self, send) -> None:
-        async def bounded_send(message) -> None:
-            try:
-                async with asyncio.timeout(self.send_timeout):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled from None
+        if self.send_timeout is None:
+            return await super().stream_response(send)
+        loop, timeout = asyncio.get_running_loop(), self.send_timeout
+        waiting_since: float | None = None  # when the send now in flight began
+
+        async def watched_send(message) -> None:
+            nonlocal waiting_since
+            waiting_since = loop.time()
+            await send(message)
+            waiting_since = None
+
+        def watch() -> None:
+            nonlocal watchdog
+            began = waiting_since
+            if began is not None and loop.time() - began >= timeout:
+                deadline.reschedule(loop.time())  # cancels the waiting send, as a timeout does
+            else:
+                watchdog = loop.call_at((began if began is not None else loop.time()) + timeout, watch)
 
         try:
-            await super().stream_response(bounded_send)
-        except _ClientStalled:
-            logger.warning("a client read nothing of its stream for %g s: its request is aborted",
-                           self.send_timeout)
+            async with asyncio.timeout(None) as deadline:
+                watchdog = loop.call_later(timeout, watch)
+                try:
+                    await super().stream_response(watched_send)
+                finally:
+                    watchdog.cancel()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            logger.warning("a client read nothing of its stream for %g s: its request is aborted", timeout)
             await self.body_iterator.aclose()  # its cleanup (run_all's) aborts the engine requests
             # Returning with the response unfinished makes uvicorn close the connection.
 
 
-def sse(payload: dict | str) -> str:
-    """One server-sent event, as OpenAI frames them."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event, as OpenAI frames them (msgspec's JSON: UTF-8
+    as is, about ten times faster than json.dumps for a chunk)."""
+    return b"data: " + (payload.encode() if isinstance(payload, str) else _json(payload)) + b"\n\n"
+
+
+_json = msgspec.json.Encoder().encode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
