@@ -3,6 +3,8 @@
 Writes @local_config_cuda with cc_library targets for the CUDA headers and the
 static runtime, and defs.bzl with NVCC (empty when no nvcc was found, so a build
 without --config=cuda works on any machine and --config=cuda fails clearly).
+Re-run when the toolchain changes (installed, upgraded, removed: PAGODA_TOOLCHAIN_ID
+from tools/toolchain_identity.sh) and by `tools/bazel sync --configure`.
 """
 
 def _cuda_configure_impl(ctx):
@@ -54,6 +56,7 @@ cc_library(name = "cudart_static")
 
 cuda_configure = repository_rule(
     implementation = _cuda_configure_impl,
-    environ = ["CUDA_PATH"],
+    environ = ["CUDA_PATH", "PAGODA_TOOLCHAIN_ID"],
+    configure = True,
     local = True,
 )

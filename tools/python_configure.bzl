@@ -3,7 +3,9 @@
 Asks the interpreter where its headers and libraries are, symlinks them into the
 repository and writes cc_library targets plus a py_runtime toolchain, so Bazel's
 py_test/py_binary run under the same interpreter that the C++ extension is built
-against. Changing PYTHON_BIN_PATH re-runs the rule.
+against. Changing PYTHON_BIN_PATH, or the interpreter or torch behind it
+(tools/toolchain_identity.sh, through PAGODA_TOOLCHAIN_ID), re-runs the rule;
+so does `tools/bazel sync --configure`.
 """
 
 _QUERY = """
@@ -62,7 +64,8 @@ def _python_configure_impl(ctx):
 
 python_configure = repository_rule(
     implementation = _python_configure_impl,
-    environ = ["PYTHON_BIN_PATH"],
+    environ = ["PYTHON_BIN_PATH", "PAGODA_TOOLCHAIN_ID"],
+    configure = True,
     local = True,
     attrs = {
         "_build_template": attr.label(default = Label("//third_party/python:BUILD.tpl")),

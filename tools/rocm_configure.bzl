@@ -3,6 +3,8 @@
 Writes @local_config_rocm/defs.bzl with HIPCC (empty when none was found) and
 HIP_ARCHS: those of the wanted AMD targets that this hipcc can compile for
 (Debian's hipcc 5.2 knows gfx90a but not gfx942).
+Re-run when the toolchain changes (installed, upgraded, removed: PAGODA_TOOLCHAIN_ID
+from tools/toolchain_identity.sh) and by `tools/bazel sync --configure`.
 """
 
 load("//tools:kernel_sources.bzl", "HIP_ARCHS")
@@ -38,6 +40,7 @@ def _rocm_configure_impl(ctx):
 
 rocm_configure = repository_rule(
     implementation = _rocm_configure_impl,
-    environ = ["ROCM_PATH", "PATH"],
+    environ = ["ROCM_PATH", "PATH", "PAGODA_TOOLCHAIN_ID"],
+    configure = True,
     local = True,
 )
