@@ -121,10 +121,11 @@ class Processor:
 
     def _check_ids(self, token_ids) -> list[int]:
         token_ids = list(token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        # Whole-list passes in C (a prompt has thousands of ids; bool is not an int here).
+        if not set(map(type, token_ids)) <= {int}:
             raise ValueError("prompt_token_ids must be a list of ints")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return token_ids
 

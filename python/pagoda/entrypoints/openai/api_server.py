@@ -109,11 +109,16 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
 
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await with_cancellation(request, create_completion(state, body))
+        return await answer(request, body, create_completion(state, body))
 
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
-        return await with_cancellation(request, create_chat_completion(state, body))
+        return await answer(request, body, create_chat_completion(state, body))
+
+    async def answer(request: Request, body, handler) -> Response:
+        # A stream's handler returns its response without waiting, and the
+        # stream watches for the disconnect itself: no watcher tasks for it.
+        return await (handler if body.stream else with_cancellation(request, handler))
 
     async def tokenize(request: Request) -> Response:
         return await create_tokenize(state, await parse(request, tokenize_schema))
