@@ -5,7 +5,6 @@ process, for every family; the KV pool is whole afterwards and no worker
 outlives shutdown. Two ranks need a second GPU (issue 18)."""
 
 import pytest
-import torch
 
 from pagoda import LLM, SamplingParams
 
@@ -35,4 +34,3 @@ def test_mp_executor_equals_in_process(family, enforce_eager, reference):
     for (_, a), (_, b) in zip(through_worker, in_process):
         assert a == pytest.approx(b, abs=1e-3)  # the same kernels on the same device
     assert workers and not any(p.is_alive() for p in workers), "a worker outlived shutdown"
-    torch.cuda.synchronize()

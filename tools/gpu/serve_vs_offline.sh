@@ -51,9 +51,9 @@ for rate in "${rates[@]}"; do
   watchers=()
   if [[ $rate == inf ]]; then
     # A window of the saturated run (PROFILE_DELAY s after the client starts
-    # sending, PROFILE_S long): CPU per
-    # process (server, engine core, client: which one is the bound), and py-spy
-    # (--idle off: only time spent running) of the server tree and of the client.
+    # sending, PROFILE_S long): CPU per process (server, engine core, client:
+    # which one is the bound), and py-spy (--idle off: only time spent
+    # running) of the server tree and of the client.
     delay=${PROFILE_DELAY:-2} window=${PROFILE_S:-5} log="$out/client_${name}_rate_$rate.log"
     started() {  # the client imported, built its requests and started sending, $delay s ago
       until grep -q '^bench serve:' "$log"; do kill -0 $client 2>/dev/null || return 1; sleep 0.2; done

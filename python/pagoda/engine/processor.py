@@ -57,6 +57,14 @@ def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+def ids_outside_vocab(token_ids: list[int], vocab_size: int) -> list[int]:
+    """The first few ids not in [0, vocab_size) (empty if none): the common
+    all-valid case in two passes in C, as a prompt has thousands of ids."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return []
+    return [t for t in token_ids if not 0 <= t < vocab_size][:5]
+
+
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer):
         self.model_config = model_config  # max_model_len as the engine core fitted it
@@ -124,9 +132,9 @@ class Processor:
         # Whole-list passes in C (a prompt has thousands of ids; bool is not an int here).
         if not set(map(type, token_ids)) <= {int}:
             raise ValueError("prompt_token_ids must be a list of ints")
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        bad = ids_outside_vocab(token_ids, self.vocab_size)
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad}")
         return token_ids
 
     def _check_length(self, num_prompt_tokens: int) -> None:

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind
+from pagoda.engine.processor import ids_outside_vocab
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -64,9 +65,9 @@ def now() -> int:
 
 def check_vocab(state: ServerState, token_ids: list[int], param: str) -> list[int]:
     vocab = state.engine.vocab_size
-    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):  # in C: a prompt has thousands
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+    bad = ids_outside_vocab(token_ids, vocab)
+    if bad:
+        raise APIError(f"{param} has token ids outside the vocabulary [0, {vocab}): {bad}", param=param)
     return token_ids
 
 
