@@ -8,6 +8,7 @@ kernel_sources.bzl, plus PTX of the last), ROCm from the targets the local hipcc
 supports (HIP_ARCHS in @local_config_rocm).
 """
 
+load("@bazel_tools//tools/cpp:toolchain_utils.bzl", "find_cpp_toolchain")
 load("@local_config_cuda//:defs.bzl", "CUDA_PATH", "NVCC")
 load("@local_config_rocm//:defs.bzl", "HIPCC", "HIP_ARCHS")
 load("//tools:kernel_sources.bzl", "CUDA_ARCHS", "HIPCC_COPTS", "NVCC_COPTS")
@@ -41,7 +42,10 @@ def _command(ctx):
     if ctx.attr.platform == "cuda":
         if not NVCC:
             fail("--config=cuda needs nvcc, but there is none at CUDA_PATH=%s: install the CUDA toolkit or set CUDA_PATH" % CUDA_PATH)
-        return NVCC, NVCC_COPTS + _nvcc_arch_flags(ctx)
+        # The host compiler by path: actions run on a fixed PATH, and the
+        # path is then part of the action key.
+        host_compiler = find_cpp_toolchain(ctx).compiler_executable
+        return NVCC, ["-ccbin", host_compiler] + NVCC_COPTS + _nvcc_arch_flags(ctx)
     if not HIPCC:
         fail("--config=rocm needs hipcc, but none was found in ROCM_PATH or PATH: apt-get install hipcc libamdhip64-dev, or set ROCM_PATH")
     if not HIP_ARCHS:
@@ -70,7 +74,7 @@ def _gpu_objects_impl(ctx):
             arguments = [args],
             inputs = depset([src], transitive = [headers]),
             outputs = [out],
-            # PATH (from --action_env) lets nvcc and hipcc find the host compiler.
+            # The fixed PATH and --action_env (the toolchain versions).
             use_default_shell_env = True,
             mnemonic = "Nvcc" if ctx.attr.platform == "cuda" else "Hipcc",
             progress_message = "Compiling %s for %s" % (src.short_path, ctx.attr.platform.upper()),
@@ -86,6 +90,7 @@ _gpu_objects = rule(
         "deps": attr.label_list(providers = [CcInfo]),
         "platform": attr.string(values = ["cuda", "rocm"]),
         "enabled": attr.bool(),
+        "_cc_toolchain": attr.label(default = Label("@bazel_tools//tools/cpp:current_cc_toolchain")),
     },
 )
 
