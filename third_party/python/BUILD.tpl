@@ -44,6 +44,9 @@ py_runtime(
     name = "py3_runtime",
     interpreter_path = "%{python}",
     python_version = "PY3",
+    # py_binary/py_test launchers start under this interpreter, not a
+    # `python` found on the actions' fixed PATH (there is none).
+    stub_shebang = "#!%{python}",
 )
 
 py_runtime_pair(
