@@ -11,11 +11,13 @@
 #   3. A, its output base wiped, with another nvcc version (a CUDA_PATH
 #      whose nvcc says so) builds CPU kernels: no remote hit, as the
 #      toolchain versions are in every action's key.
-# Run by .ci/run; needs the project venv (or PYTHON_BIN_PATH).
+# Run by .ci/run; uses the project venv (or PYTHON_BIN_PATH).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 python_bin="${PYTHON_BIN_PATH:-${root}/.venv/bin/python3}"
 fail() { echo "remote_cache: FAIL: $*" >&2; exit 1; }
+# On a fresh clone tools/bazel makes the project venv, which both copies share.
+[[ -x "${python_bin}" ]] || "${root}/tools/bazel" --version >/dev/null || fail "no venv at ${python_bin}"
 
 scratch="$(mktemp -d /tmp/pagoda-remote-cache-XXXXXX)"
 export PAGODA_CACHE_DIR="${scratch}/cache"
