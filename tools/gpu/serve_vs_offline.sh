@@ -12,9 +12,12 @@
 # that model: see docs/BENCHMARKS.md for where it comes from). RATEs default
 # to "inf"; NUM_PROMPTS (1000), INPUT_LEN (512) and OUTPUT_LEN (128) set the workload
 # (RATED_PROMPTS, default NUM_PROMPTS: the prompts of each finite rate's run);
-# SERVER_ARGS go to the server (e.g. --api-server-count 2), TAG names such a
+# PROMPTS=text sends text prompts (as vLLM's benchmark does: the server
+# tokenizes) instead of token ids; SERVER_ARGS go to the server (e.g. --api-server-count 2), TAG names such a
 # run's files; SKIP_OFFLINE=1 leaves out the offline run; PROFILE_DELAY (2)
-# and PROFILE_S (5) place the saturated window. Needs the server's packages (starlette, uvicorn, pydantic) and,
+# and PROFILE_S (5) place the saturated window; TRACE=1 records the
+# timeline of the processes (tools/gpu/trace: one RATE per call) and prints
+# it binned, online beside offline. Needs the server's packages (starlette, uvicorn, pydantic) and,
 # for the profile, py-spy on PATH. Logs and JSON go to $OUT (default
 # ./gpu-results).
 set -uo pipefail
@@ -28,8 +31,15 @@ name=$shape${TAG:+_$TAG}
 workload=(--dataset-name random --num-prompts "${NUM_PROMPTS:-1000}" --input-len "${INPUT_LEN:-512}"
   --output-len "${OUTPUT_LEN:-128}" --seed 0)
 port=8123
+trace() {  # trace PHASE COMMAND...: the command, traced under TRACE=1. Only
+  # called in a subshell (backgrounded or piped): exec keeps $! the process.
+  if [[ ${TRACE:-0} == 1 ]]; then
+    exec env PYTHONPATH="tools/gpu/trace:$PYTHONPATH" PAGODA_TRACE_DIR="$out/trace_$1" "${@:2}"
+  fi
+  exec "${@:2}"
+}
 
-python3 -m pagoda.entrypoints.openai.api_server --model "$model" --load-format dummy --tokenizer "$tokenizer" \
+trace "$name" python3 -m pagoda.entrypoints.openai.api_server --model "$model" --load-format dummy --tokenizer "$tokenizer" \
   --served-model-name "$shape" --port $port --disable-log-requests ${SERVER_ARGS:-} >"$out/server_$name.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT
@@ -44,7 +54,8 @@ for rate in "${rates[@]}"; do
   # Random prompts are token ids of the model's vocabulary (its config); the server detokenizes.
   prompts=()
   [[ $rate != inf ]] && prompts=(--num-prompts "${RATED_PROMPTS:-${NUM_PROMPTS:-1000}}")
-  python3 -m pagoda.entrypoints.cli bench serve --port $port --model "$shape" --tokenizer "$model" \
+  [[ ${PROMPTS:-ids} == text ]] && prompts+=(--prompt-tokenizer "$tokenizer")
+  trace "$name" python3 -m pagoda.entrypoints.cli bench serve --port $port --model "$shape" --tokenizer "$model" \
     "${workload[@]}" "${prompts[@]}" --ignore-eos --request-rate "$rate" --disable-tqdm --save-result --result-dir "$out" \
     --result-filename "serve_${name}_rate_$rate.json" >"$out/client_${name}_rate_$rate.log" 2>&1 &
   client=$!
@@ -75,10 +86,13 @@ for rate in "${rates[@]}"; do
 done
 kill $server; wait $server 2>/dev/null; trap - EXIT
 
-[[ ${SKIP_OFFLINE:-0} == 1 ]] || python3 -m pagoda.entrypoints.cli bench throughput --model-shape "$shape" --tokenizer "$tokenizer" "${workload[@]}" \
+[[ ${SKIP_OFFLINE:-0} == 1 ]] || trace "${name}_offline" python3 -m pagoda.entrypoints.cli bench throughput --model-shape "$shape" --tokenizer "$tokenizer" "${workload[@]}" \
   --disable-tqdm --output-json "$out/throughput_$shape.json" 2>&1 | tail -n 2
 
 cat "$out/cpu_$name.txt" 2>/dev/null
+for phase in "$name" "${name}_offline"; do
+  [[ -d $out/trace_$phase ]] && { echo "== timeline: $phase"; python3 tools/gpu/trace_summary.py "$out/trace_$phase"; }
+done
 for target in server client; do
   [[ -f $out/profile_${name}_$target.txt ]] && python3 tools/gpu/profile_summary.py "$out/profile_${name}_$target.txt"
 done

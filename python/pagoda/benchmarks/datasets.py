@@ -19,10 +19,11 @@ DEFAULT_NUM_PROMPTS, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 32, 128, 64
 @dataclass
 class SampleRequest:
     """One benchmark request (vLLM's name): its prompt and how many tokens
-    it should generate."""
+    it should generate; prompt: its text, for clients that send text."""
 
     prompt_token_ids: list[int]
     expected_output_len: int
+    prompt: str | None = None
 
     @property
     def prompt_len(self) -> int:
