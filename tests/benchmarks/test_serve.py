@@ -82,3 +82,26 @@ def test_metric_definitions():
     assert m["mean_itl_ms"] == pytest.approx(250) and m["p50_itl_ms"] == pytest.approx(250)
     assert m["mean_e2el_ms"] == pytest.approx(500) and m["std_e2el_ms"] == pytest.approx(100)
     assert calculate_metrics(outputs[2:], 1.0, [99])["mean_ttft_ms"] == 0  # nothing completed
+
+
+def test_text_prompts_are_the_ids_decoded(tmp_path):
+    """--prompt-tokenizer: vLLM's random dataset sends text; the payload
+    carries the decoded ids, and what the server encodes again."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagoda.benchmarks.datasets import SampleRequest
+    from pagoda.benchmarks.serve import as_text, completion_payload
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4,
+                            trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    hf.save_pretrained(tmp_path)
+    ids = hf.encode("the lazy dog jumps")
+    [request] = as_text([SampleRequest(ids, 5)], str(tmp_path))
+    assert request.prompt == "the lazy dog jumps" and request.prompt_token_ids == ids
+    assert completion_payload("m", request, 0.0, True)["prompt"] == "the lazy dog jumps"
+    assert completion_payload("m", SampleRequest(ids, 5), 0.0, True)["prompt"] == ids

@@ -185,6 +185,34 @@ def test_cancelling_a_stream_aborts_the_request_and_frees_its_blocks(inproc_llm,
     assert not llm.output_processor.has_unfinished_requests()
 
 
+def test_submit_sends_at_once_and_a_dropped_stream_frees_its_blocks(inproc_llm, monkeypatch, reference):
+    """submit() puts the request in the engine before anyone iterates (a
+    server submits while its response is still being set up); a stream
+    dropped unread, or closed midway, aborts its request."""
+    llm = inproc_llm
+    slow_down(llm, monkeypatch, 0.02)  # 100 tokens take 2 s: only an abort frees the blocks within 1 s
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        stream = llm.submit([1, 2, 3], params, "dropped")
+        assert llm.output_processor.has_unfinished_requests()  # in the engine, nothing iterated
+        await asyncio.sleep(0.05)
+        del stream  # never read: abandoned
+        await wait_pool_full(llm, timeout=1.0)
+        closed = llm.submit([4, 5, 6], params, "closed")
+        assert not (await closed.__anext__()).finished
+        closed.close()
+        await wait_pool_full(llm, timeout=1.0)
+        with pytest.raises(ValueError):
+            llm.submit([], params, "empty")  # a bad request fails at once, not at the first read
+        read = [out async for out in llm.submit(PROMPTS[0], GREEDY, "read")]
+        return read
+
+    read = asyncio.run(main())
+    assert read[-1].finished and read[-1].outputs[0].token_ids == reference[0]
+    assert not llm.output_processor.has_unfinished_requests()
+
+
 def test_engine_failure_reaches_every_waiter_and_later_calls_fail_fast(inproc_llm, monkeypatch):
     llm = inproc_llm
     execute = llm.engine.runner.execute

@@ -106,6 +106,39 @@ def _merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     return old
 
 
+class RequestStream:
+    """A submitted request's outputs (AsyncLLM.submit): iterate it; the last
+    output has finished=True, and an engine failure is raised from the
+    iteration. close() -- or dropping the stream unfinished, at once in
+    CPython -- aborts the request and frees its KV blocks."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: _Collector):
+        self._engine, self.request_id, self._collector = engine, request_id, collector
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._collector.get()
+        if isinstance(item, BaseException):
+            self.finished = True  # the engine already dropped the request
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine._abort(self.request_id, notify=False)
+
+    def __del__(self) -> None:
+        if not self.finished and self._engine.is_running:
+            self.close()
+
+
 class AsyncLLM:
     """AsyncLLM(model, **engine_args) with LLM's arguments (EngineArgs);
     multiprocess=True runs the engine core in its own process.
@@ -238,6 +271,26 @@ class AsyncLLM:
         aborts the request and frees its blocks (after a `break` that happens
         when the iterator is garbage-collected -- at once in CPython; `await
         it.aclose()` to be explicit)."""
+        stream = self.submit(prompt, sampling_params, request_id, priority, output_kind)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    def submit(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> RequestStream:
+        """Sends one request to the engine now (generate() sends it at its
+        first iteration; a server submits while it still sets up the
+        response) and returns its outputs as a RequestStream. Called on the
+        event loop the outputs go to. A bad request raises ValueError here,
+        a dead engine EngineDeadError."""
         self._raise_if_dead()
         state, core_requests = self.processor.process(request_id, prompt, sampling_params, time.time(), priority,
                                                       output_kind, self.client_index)
@@ -251,18 +304,7 @@ class AsyncLLM:
             self.output_processor.add_request(state)
             self._collectors[request_id] = (asyncio.get_running_loop(), collector)
         self.client.add_requests(core_requests)
-        finished = False
-        try:
-            while not finished:
-                item = await collector.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped the request
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # cancelled or abandoned: free its KV blocks
-                self._abort(request_id, notify=False)
+        return RequestStream(self, request_id, collector)
 
     def abort(self, request_id: str) -> None:
         """Ends a request: its stream's last output has finish_reason

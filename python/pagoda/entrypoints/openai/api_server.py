@@ -44,6 +44,7 @@ from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_engine import ServerState, now, with_cancellation
 from pagoda.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, tokenize_schema
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.prometheus import PrometheusStatLogger
 
@@ -63,17 +64,21 @@ ABORT_GRACE_S = 10.0  # after the drain's aborts, how long uvicorn waits before 
 def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               chat_template: str | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, engine_stall_timeout: float | None = 30.0,
-              max_queued_requests: int | None = None, stream_send_timeout: float | None = 30.0) -> Starlette:
+              max_queued_requests: int | None = None, stream_send_timeout: float | None = 30.0,
+              tokenizer_threads: int | None = None) -> Starlette:
     """allowed_origins: CORS origins (None: no CORS headers). engine_stall_timeout:
     /health fails when the engine has work but no step finished for this
     many seconds (None: only a dead engine fails it). max_queued_requests:
     generation requests get 503 while this many engine requests wait to run
     (None: no bound). stream_send_timeout: a stream whose client has not
-    taken a chunk for this many seconds is aborted (None: never)."""
+    taken a chunk for this many seconds is aborted (None: never).
+    tokenizer_threads: how many prompts tokenize at once (TokenizerPool's
+    default when None)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = PrometheusStatLogger(engine, names[0])
     engine.stat_loggers.append(metrics)
-    state = ServerState(engine, names, api_key, chat_template, metrics, max_queued_requests, stream_send_timeout)
+    state = ServerState(engine, names, TokenizerPool(engine.get_tokenizer(), tokenizer_threads), api_key,
+                        chat_template, metrics, max_queued_requests, stream_send_timeout)
 
     def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -259,6 +264,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process-engine", action="store_true",
                    help="run the engine core in a thread of the API server process, not in a process of its own "
                         "(the GIL then shares one interpreter between the model and HTTP: for debugging)")
+    p.add_argument("--tokenizer-threads", type=positive_int, default=None,
+                   help="threads per API server that tokenize prompts and render chat templates, off the event "
+                        "loop (default: the CPUs, at most 8)")
     p.add_argument("--stream-send-timeout", type=positive_float, default=30.0,
                    help="a stream whose client has not read a chunk for this many seconds is aborted and its "
                         "connection closed")
@@ -388,7 +396,8 @@ def serve(args: argparse.Namespace, engine_args, core: tuple[str, int, int] | No
     log_requests = not (args.disable_log_requests or args.disable_uvicorn_access_log)
     app = build_app(engine, names, api_key=args.api_key, chat_template=args.chat_template, log_requests=log_requests,
                     allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None,
-                    max_queued_requests=args.max_queued_requests, stream_send_timeout=args.stream_send_timeout)
+                    max_queued_requests=args.max_queued_requests, stream_send_timeout=args.stream_send_timeout,
+                    tokenizer_threads=args.tokenizer_threads)
     ready = engine.ready
     if index == 0:
         where = "in this process" if engine.core_pid is None else f"in process {engine.core_pid}"
@@ -405,6 +414,7 @@ def serve(args: argparse.Namespace, engine_args, core: tuple[str, int, int] | No
         DrainingServer(config, engine, args.timeout_graceful_shutdown).run(sockets=None if sock is None else [sock])
         died = engine.errored  # read before shutdown(), which stops it for good
     finally:
+        app.state.pagoda.tokenizers.close()
         engine.shutdown(timeout=ABORT_GRACE_S)
     if died:
         return 1

@@ -11,20 +11,27 @@ from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.entrypoints.openai.serving_engine import (EventStream, ServerState, admit, check_model, check_token_ids,
-                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
-                                                      run_all, sampling_params, sse, stream_choices, usage)
+                                                      engine_error, fit_max_tokens, merge, new_id, now,
+                                                      request_timings, sampling_params, sse, stream_choices,
+                                                      submit_all, usage)
 from pagoda.outputs import CompletionOutput
 
 
-def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                        add_special_tokens: bool = False) -> list[int]:
+async def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              add_special_tokens: bool = False) -> list[int]:
     """The messages' token ids through the chat template (the tokenizer's or
-    --chat-template). Rendered to text, then encoded: templates write their
-    own BOS, so special tokens are only added when asked (/tokenize)."""
-    tokenizer = state.engine.get_tokenizer()
+    --chat-template), on a tokenizer thread. Rendered to text, then encoded:
+    templates write their own BOS, so special tokens are only added when
+    asked (/tokenize)."""
+    inputs = [m.as_template_input() for m in messages]
+    return await state.tokenizers.run(_render_and_encode, state, inputs, add_generation_prompt, add_special_tokens)
+
+
+def _render_and_encode(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                       add_special_tokens: bool) -> list[int]:
+    tokenizer = state.tokenizers.tokenizer
     try:
-        text = tokenizer.apply_chat_template([m.as_template_input() for m in messages],
-                                             chat_template=state.chat_template,
+        text = tokenizer.apply_chat_template(messages, chat_template=state.chat_template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 -- no template, or the template rejected these messages
         raise APIError(f"could not apply the chat template: {exc}", param="messages") from None
@@ -33,7 +40,7 @@ def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_gen
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> Response:
     model = check_model(state, request.model)
-    prompt_ids = check_token_ids(state, apply_chat_template(state, request.messages))
+    prompt_ids = check_token_ids(state, await apply_chat_template(state, request.messages))
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_max_tokens(state, len(prompt_ids), request.requested_max_tokens, param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -42,12 +49,13 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     admit(state, request.priority)
     request_id, created = new_id("chatcmpl"), now()
     if request.stream:
-        return EventStream(_stream(state, request, request_id, created, model, prompts, params),
+        streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.DELTA)
+        return EventStream(_stream(state, request, request_id, created, model, prompts, streams, params),
                            state.stream_send_timeout)
+    streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.FINAL_ONLY)
     final = None
     try:
-        async for _, out in run_all(state.engine, prompts, params, request_id, request.priority,
-                                    RequestOutputKind.FINAL_ONLY):
+        async for _, out in merge(streams):
             final = out
     except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
         raise engine_error(exc) from exc
@@ -63,7 +71,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     return JSONResponse(body)
 
 
-async def _stream(state, request, request_id, created, model, prompts, params) -> AsyncIterator[bytes]:
+async def _stream(state, request, request_id, created, model, prompts, streams, params) -> AsyncIterator[bytes]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="chat.completion.chunk", created=created, model=model)
     # OpenAI opens every choice with a delta that only carries the role.
@@ -76,7 +84,7 @@ async def _stream(state, request, request_id, created, model, prompts, params) -
                     logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
                     finish_reason=c.finish_reason)
 
-    async for event in stream_choices(state, request, request_id, chunk, prompts, params, choice):
+    async for event in stream_choices(state, request, chunk, prompts, streams, params, choice):
         yield event
 
 

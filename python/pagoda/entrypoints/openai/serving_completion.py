@@ -10,8 +10,9 @@ from starlette.responses import JSONResponse, Response
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_engine import (EventStream, ServerState, admit, check_model, check_token_ids,
-                                                      engine_error, fit_max_tokens, new_id, now, request_timings,
-                                                      run_all, sampling_params, stream_choices, usage)
+                                                      engine_error, fit_max_tokens, merge, new_id, now,
+                                                      request_timings, sampling_params, stream_choices, submit_all,
+                                                      usage)
 from pagoda.outputs import CompletionOutput
 
 
@@ -21,7 +22,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
     # Tokenized here (not in the engine) so the context check can count them.
     prompts = []
     for p in request.prompts():
-        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = await state.tokenizers.encode(p) if isinstance(p, str) else list(p)
         prompts.append({"prompt": p if isinstance(p, str) else None, "prompt_token_ids": check_token_ids(state, ids)})
     max_tokens = [fit_max_tokens(state, len(p["prompt_token_ids"]), request.max_tokens, "max_tokens") for p in prompts]
     # One SamplingParams serves all prompts: max_tokens fits the longest.
@@ -32,13 +33,14 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
     admit(state, request.priority)
     request_id, created = new_id("cmpl"), now()
     if request.stream:
-        stream = _stream(state, request, request_id, created, model, prompts, params, echo)
-        return EventStream(stream, state.stream_send_timeout)
+        streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.DELTA)
+        return EventStream(_stream(state, request, request_id, created, model, prompts, streams, params, echo),
+                           state.stream_send_timeout)
 
+    streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.FINAL_ONLY)
     finals = {}
     try:
-        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
-                                    RequestOutputKind.FINAL_ONLY):
+        async for i, out in merge(streams):
             finals[i] = out
     except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
         raise engine_error(exc) from exc
@@ -57,7 +59,8 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
     return JSONResponse(body)
 
 
-async def _stream(state, request, request_id, created, model, prompts, params, echo) -> AsyncIterator[bytes]:
+async def _stream(state, request, request_id, created, model, prompts, streams, params,
+                  echo) -> AsyncIterator[bytes]:
     tokenizer = state.engine.get_tokenizer()
     chunk = dict(id=request_id, object="text_completion", created=created, model=model)
     started = set()  # choices whose echoed prompt went out
@@ -68,7 +71,7 @@ async def _stream(state, request, request_id, created, model, prompts, params, e
         return dict(index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=_logprobs(c, tokenizer) if params.logprobs is not None else None)
 
-    async for event in stream_choices(state, request, request_id, chunk, prompts, params, choice):
+    async for event in stream_choices(state, request, chunk, prompts, streams, params, choice):
         yield event
 
 

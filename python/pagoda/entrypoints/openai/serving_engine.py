@@ -15,9 +15,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind, RequestStream
 from pagoda.engine.processor import ids_outside_vocab
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.prometheus import PrometheusStatLogger
@@ -31,6 +32,7 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue tells clients to wait
 class ServerState:
     engine: AsyncLLM
     served_model_names: list[str]
+    tokenizers: TokenizerPool  # prompts' tokenization, off the event loop
     api_key: str | None = None
     chat_template: str | None = None
     metrics: PrometheusStatLogger | None = None
@@ -131,32 +133,47 @@ def engine_error(exc: BaseException) -> APIError:
     return APIError("internal server error", status=500, type="server_error")
 
 
-async def run_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, request_id: str, priority: int,
-                  kind: RequestOutputKind) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Runs one engine request per prompt concurrently and yields
-    (prompt index, output) as they come. Closing this iterator (or
-    cancelling its consumer, as a client disconnect does) cancels every
-    request, which aborts them in the engine and frees their KV blocks."""
-    if len(prompts) == 1:  # the common case: no task and queue between the engine and the stream
-        outputs = engine.generate(prompts[0], params, f"{request_id}-0", priority=priority, output_kind=kind)
+def submit_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, request_id: str, priority: int,
+               kind: RequestOutputKind) -> list[RequestStream]:
+    """One engine request per prompt, sent now: the engine starts on them
+    while the response is still being set up (a stream's first send waits
+    its turn on the loop). If one fails, those sent are aborted and the
+    failure is raised as the client's error."""
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(engine.submit(prompt, params, f"{request_id}-{i}", priority=priority, output_kind=kind))
+    except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
+        for stream in streams:
+            stream.close()
+        raise engine_error(exc) from exc
+    return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (prompt index, output) from the requests' streams as they
+    come. Closing this iterator (or cancelling its consumer, as a client
+    disconnect does) closes every stream, which aborts them in the engine
+    and frees their KV blocks."""
+    if len(streams) == 1:  # the common case: no task and queue between the engine and the stream
         try:
-            async for out in outputs:
+            async for out in streams[0]:
                 yield 0, out
         finally:
-            await outputs.aclose()
+            streams[0].close()
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def drain(i: int, prompt) -> None:
+    async def drain(i: int, stream: RequestStream) -> None:
         try:
-            async for out in engine.generate(prompt, params, f"{request_id}-{i}", priority=priority, output_kind=kind):
+            async for out in stream:
                 queue.put_nowait((i, out))
             queue.put_nowait((i, done))
         except Exception as exc:  # noqa: BLE001 -- handed to the consumer
             queue.put_nowait((i, exc))
 
-    tasks = [asyncio.create_task(drain(i, p)) for i, p in enumerate(prompts)]
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -171,6 +188,8 @@ async def run_all(engine: AsyncLLM, prompts: list[Any], params: SamplingParams, 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            stream.close()
 
 
 async def with_cancellation(request: Request, handler: Awaitable[Response]) -> Response:
@@ -205,8 +224,8 @@ def request_timings(outputs: list[RequestOutput]) -> dict[str, float]:
     return last.metrics.timings()
 
 
-async def stream_choices(state: ServerState, request: Any, request_id: str, chunk: dict, prompts: list[Any],
-                         params: SamplingParams,
+async def stream_choices(state: ServerState, request: Any, chunk: dict, prompts: list[Any],
+                         streams: list[RequestStream], params: SamplingParams,
                          choice: Callable[[int, int, CompletionOutput], dict]) -> AsyncIterator[bytes]:
     """The streamed body after any opening chunks: one chunk per choice that
     has something new (choice index = prompt index * n + output index;
@@ -214,8 +233,7 @@ async def stream_choices(state: ServerState, request: Any, request_id: str, chun
     the engine fails, the closing usage/timings chunk asked for, [DONE]."""
     finished, completion_tokens, finals = set(), 0, []
     try:
-        async for i, out in run_all(state.engine, prompts, params, request_id, request.priority,
-                                    RequestOutputKind.DELTA):
+        async for i, out in merge(streams):
             if out.finished:
                 finals.append(out)
             for c in out.outputs:
@@ -305,7 +323,7 @@ class EventStream(StreamingResponse):
             if not deadline.expired():
                 raise
             logger.warning("a client read nothing of its stream for %g s: its request is aborted", timeout)
-            await self.body_iterator.aclose()  # its cleanup (run_all's) aborts the engine requests
+            await self.body_iterator.aclose()  # its cleanup (merge's) aborts the engine requests
             # Returning with the response unfinished makes uvicorn close the connection.
 
 

@@ -24,10 +24,10 @@ async def create_tokenize(state: ServerState, request: TokenizeCompletionRequest
     check_model(state, request.model)
     tokenizer = state.engine.get_tokenizer()
     if isinstance(request, TokenizeChatRequest):
-        tokens = apply_chat_template(state, request.messages, request.add_generation_prompt,
-                                     request.add_special_tokens)
+        tokens = await apply_chat_template(state, request.messages, request.add_generation_prompt,
+                                           request.add_special_tokens)
     else:
-        tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        tokens = await state.tokenizers.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
     response = TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len, tokens=tokens,
                                 token_strs=token_strs)
