@@ -313,6 +313,31 @@ def sample_gumbel(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -
     return -torch.log(-torch.log1p(-u))
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens whose probability is below min_p times the top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """Keep the k largest logits (ties with the k-th kept too), then the smallest
+    set of most likely tokens whose probability reaches p (always at least one).
+    One ascending sort serves both."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
 def sample_reference(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -326,9 +351,6 @@ def sample_reference(
     argmax(l + sample_gumbel(...)) over the kept tokens; argmax of the logits
     where temperature is 0. The kernel picks the same tokens unless rounding
     moves a token across a filter's boundary or breaks a near-tie of scores."""
-    # Imported here, not at the top: the sampler imports ops.
-    from pagoda.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
-
     x = logits.float()
     greedy = temperature == 0
     scaled = x / torch.where(greedy, 1.0, temperature)[:, None]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from pagoda import _native, ops
+from pagoda.ops import apply_min_p, apply_top_k_top_p
 from pagoda.outputs import TokenLogprobs
 from pagoda.sampling_params import SamplingParams
 
@@ -310,31 +311,6 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     if md.presence_penalties is not None:
         logits.sub_(md.frequency_penalties.unsqueeze(1) * out_counts)
         logits.sub_(md.presence_penalties.unsqueeze(1) * (out_counts > 0))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Drop tokens whose probability is below min_p times the top probability."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    logits.masked_fill_(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
-    """Keep the k largest logits (ties with the k-th kept too), then the smallest
-    set of most likely tokens whose probability reaches p (always at least one).
-    One ascending sort serves both."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_p.unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    logits.scatter_(1, order, sorted_logits)
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
