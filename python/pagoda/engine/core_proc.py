@@ -7,7 +7,12 @@ process) pushes requests to; each front end binds a PULL socket of its own
 and announces it with HELLO, and the core pushes that front end's outputs
 there -- one message per step, every sequence's new token ids in it, with
 the scheduler's stats. Frames are [RequestType, msgpack payload]
-(core_messages).
+(core_messages). A receiver thread takes messages off the input socket and
+decodes them as they come (while the loop waits on the device), and the
+loop applies, between steps, those that had arrived when its pass began:
+a steady inflow of requests cannot keep it from stepping, decoding (about
+0.2 ms a request, mostly re-validating its SamplingParams) overlaps the
+device's work, and the socket never fills up to its high-water mark.
 
 Lifetime: the process ignores SIGINT/SIGTERM (a Ctrl-C or a supervisor's
 SIGTERM reaches the whole process group, and the API server drains before
@@ -18,7 +23,9 @@ explains sends DEAD with the reason to every front end and exits 1."""
 from __future__ import annotations
 
 import multiprocessing.connection
+import queue
 import signal
+import threading
 
 import zmq
 
@@ -61,8 +68,10 @@ class EngineCoreProc:
     def __init__(self, core: EngineCore, input_address: str):
         self.core = core
         self.context = zmq.Context()
-        self.input = self.context.socket(zmq.PULL)
+        self.input = self.context.socket(zmq.PULL)  # the receiver thread's alone once run() starts
         self.input.bind(input_address)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (RequestType, decoded payload), or (None, an error)
+        self.receiver = threading.Thread(target=self._take_input, name="pagoda-core-input", daemon=True)
         self.clients: dict[int, zmq.Socket] = {}  # client index -> its output socket
         self.client_of: dict[str, int] = {}  # live sequence id -> its client index
         self.refused: list[tuple[int, EngineCoreOutput]] = []  # (client index, its failed add), for the next send
@@ -71,6 +80,7 @@ class EngineCoreProc:
     def run(self) -> int:
         """The busy loop; returns the exit status."""
         core = self.core
+        self.receiver.start()
         try:
             while not self.stopping:
                 handled = self._receive(block=not core.has_unfinished_requests())
@@ -89,24 +99,39 @@ class EngineCoreProc:
             self.core.shutdown()
         return 0
 
-    def _receive(self, block: bool) -> bool:
-        """Applies every message waiting (the first awaited when `block`);
-        whether there was any."""
-        handled = False
-        flags = 0 if block else zmq.NOBLOCK
-        while True:
-            try:
-                kind, payload = self.input.recv_multipart(flags, copy=False)
-            except zmq.Again:
-                return handled
-            handled, flags = True, zmq.NOBLOCK
-            self._apply(RequestType(kind.bytes), payload.buffer)
-            if self.stopping:
-                return handled
+    def _take_input(self) -> None:
+        """The receiver thread, until the context is terminated: every
+        message decoded into the inbox; a failure goes there too, for the
+        loop to raise."""
+        try:
+            while True:
+                kind, payload = self.input.recv_multipart(copy=False)
+                kind = RequestType(kind.bytes)
+                self.inbox.put((kind, DECODERS[kind].decode(payload.buffer) if kind in DECODERS else None))
+        except zmq.ContextTerminated:
+            self.input.close(linger=0)
+        except BaseException as exc:  # noqa: BLE001 -- the loop raises it: the engine core stops
+            self.inbox.put((None, exc))
 
-    def _apply(self, kind: RequestType, payload) -> None:
+    def _receive(self, block: bool) -> bool:
+        """Applies the messages in the inbox when this pass began (after
+        waiting for one when `block` and there is none); whether there were any."""
+        handled = False
+        if block and self.inbox.empty():
+            self._apply(*self.inbox.get())
+            handled = True
+        for _ in range(self.inbox.qsize()):  # counted once: what arrives meanwhile waits for the next pass
+            if self.stopping:
+                break
+            self._apply(*self.inbox.get_nowait())
+            handled = True
+        return handled
+
+    def _apply(self, kind: RequestType | None, payload) -> None:
+        if kind is None:
+            raise payload  # the receiver thread failed
         if kind is RequestType.ADD:
-            request = DECODERS[kind].decode(payload)
+            request = payload
             try:
                 self.core.add_request(request)
             except ValueError as exc:  # checked by the front end; a clash of ids still fails the one request
@@ -115,12 +140,12 @@ class EngineCoreProc:
             else:
                 self.client_of[request.request_id] = request.client_index
         elif kind is RequestType.ABORT:
-            request_ids = DECODERS[kind].decode(payload)
+            request_ids = payload
             self.core.abort_requests(request_ids)
             for request_id in request_ids:
                 self.client_of.pop(request_id, None)
         elif kind is RequestType.HELLO:
-            index, address = DECODERS[kind].decode(payload)
+            index, address = payload
             socket = self.context.socket(zmq.PUSH)
             socket.connect(address)
             self.clients[index] = socket
@@ -152,5 +177,7 @@ class EngineCoreProc:
         # Linger: what was sent last (DEAD, the final outputs) still goes out.
         for socket in self.clients.values():
             socket.close(linger=2000)
-        self.input.close(linger=0)
+        if not self.receiver.is_alive():  # it closes the input socket itself when the context ends
+            self.input.close(linger=0)
         self.context.term()
+        self.receiver.join(timeout=5)
