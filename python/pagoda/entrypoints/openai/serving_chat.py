@@ -48,11 +48,11 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     prompts = [{"prompt_token_ids": prompt_ids}]
     admit(state, request.priority)
     request_id, created = new_id("chatcmpl"), now()
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    streams = submit_all(state.engine, prompts, params, request_id, request.priority, kind)
     if request.stream:
-        streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.DELTA)
         return EventStream(_stream(state, request, request_id, created, model, prompts, streams, params),
                            state.stream_send_timeout)
-    streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.FINAL_ONLY)
     final = None
     try:
         async for _, out in merge(streams):

@@ -32,12 +32,12 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
             else "" for p in prompts]
     admit(state, request.priority)
     request_id, created = new_id("cmpl"), now()
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    streams = submit_all(state.engine, prompts, params, request_id, request.priority, kind)
     if request.stream:
-        streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.DELTA)
         return EventStream(_stream(state, request, request_id, created, model, prompts, streams, params, echo),
                            state.stream_send_timeout)
 
-    streams = submit_all(state.engine, prompts, params, request_id, request.priority, RequestOutputKind.FINAL_ONLY)
     finals = {}
     try:
         async for i, out in merge(streams):
