@@ -64,3 +64,31 @@ def test_startup_phases_are_logged(reference, caplog):
     ready = [line for line in lines if line.startswith("model runner ready on cuda")]
     assert len(ready) == 1 and all(p in ready[0] for p in ("weights", "profiling", "KV cache", "CUDA graphs"))
     assert any(line.startswith("engine ready in ") for line in lines)
+
+
+def _compiled_prefill_variants() -> int:
+    """Variants of the Triton prefill kernel compiled in this process (Triton
+    3.x keeps them per device, the compiled kernels first in each entry)."""
+    from pagoda.model_executor.layers.triton_attention import _paged_prefill_kernel
+
+    return sum(len(entry[0]) for entry in _paged_prefill_kernel.device_caches.values())
+
+
+def test_no_prefill_kernel_compiles_while_serving(reference):
+    """Start-up compiles every tile variant a step can need: runs of 2 to 16
+    new tokens (a prefix hit leaving one block, a chunk's tail) included, so
+    none is compiled at first use inside serving, where it holds the engine."""
+    # 8 sequences: the profiling step's prompts are long (128 tokens), so it
+    # compiles none of the short runs' variants itself.
+    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy", max_num_seqs=8)
+    compiled = _compiled_prefill_variants()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    base = list(range(1, 33))
+    # One prompt per step (each its own longest run): prompts of every tile
+    # class up to max_model_len (128), and prefix hits (prefix caching is on
+    # by default) that leave 1 to 16 new tokens.
+    prompts = [list(range(40, 40 + n)) for n in (2, 5, 16, 17, 40, 64, 100, 120)]
+    prompts += [base + list(range(200, 200 + n)) for n in (1, 3, 16)]
+    for prompt in [base] + prompts:
+        llm.generate([prompt], params, use_tqdm=False)
+    assert _compiled_prefill_variants() == compiled

@@ -185,3 +185,19 @@ def _slots(batch, seq, q_len):
     positions = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
     blocks = batch["block_tables"][seq, positions // block_size].long()
     return blocks * block_size + positions % block_size
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("longest", [2, 16, 100, 128, 8192])
+def test_variant_query_lens_cover_every_step(dtype, head_size, longest):
+    """Every longest run of 2..longest new tokens uses the tile config of one
+    of the warm-up lengths (what the GPU runner compiles at start-up)."""
+    from pagoda.model_executor.layers.triton_attention import _head_pad, _tile_config, variant_query_lens
+
+    head_pad = _head_pad(head_size)
+    lens = variant_query_lens(head_size, dtype, longest)
+    assert all(2 <= n <= longest for n in lens)
+    warm = [_tile_config(head_pad, n, dtype) for n in lens]
+    assert all(_tile_config(head_pad, n, dtype) in warm for n in range(2, longest + 1))
+    assert len(warm) == len({tuple(sorted(c.items())) for c in warm})  # one run per variant

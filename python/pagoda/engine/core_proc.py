@@ -22,6 +22,7 @@ explains sends DEAD with the reason to every front end and exits 1."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.connection
 import queue
 import signal
@@ -57,6 +58,10 @@ def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: s
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which raises it
         startup.send(("error", type(exc).__name__, str(exc)))
         raise SystemExit(1) from None
+    # The start-up's objects (modules, parameters, the cache's blocks) live as
+    # long as the process: frozen, no full collection walks them while serving.
+    gc.collect()
+    gc.freeze()
     startup.send(("ready", core.ready_message()))
     startup.close()
     raise SystemExit(proc.run())

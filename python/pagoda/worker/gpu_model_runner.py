@@ -21,6 +21,7 @@ import torch
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata
+from pagoda.model_executor.layers.triton_attention import variant_query_lens
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.cuda_graph_runner import CUDAGraphRunner, cudagraph_batch_sizes
 from pagoda.worker.model_runner import ModelRunner
@@ -107,10 +108,13 @@ class GPUModelRunner(ModelRunner):
 
     def _compile_prefill_kernels(self) -> str:
         """The Triton prefill kernel compiles one variant per query-tile height
-        (16 to 128 rows, from the step's longest new-token run) on first use:
-        compiled here, at start-up, rather than inside the first requests
-        (Triton caches them in ~/.triton: later starts only load them)."""
-        lengths = [n for n in (32, 64, 128) if n <= min(self.max_num_tokens, self.model_config.max_model_len)]
+        (from the step's longest new-token run) on first use: compiled here, at
+        start-up, rather than inside the first requests, where a compile holds
+        the engine for up to a second (Triton caches them in ~/.triton: later
+        starts only load them)."""
+        longest = min(self.max_num_tokens, self.model_config.max_model_len)
+        lengths = sorted({n for layer in self.attention_layers
+                          for n in variant_query_lens(layer.head_size, self.dtype, longest)})
         with self._stand_in_kv_cache():
             for num_tokens in lengths:
                 self.execute(*self._dummy_step([num_tokens]))

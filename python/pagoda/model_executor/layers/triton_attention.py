@@ -222,6 +222,29 @@ def _tile_config(head_pad: int, max_query_len: int, dtype: torch.dtype) -> dict:
     )
 
 
+def _head_pad(head_size: int) -> int:
+    """tl.dot needs every dimension >= 16; padded head lanes are masked."""
+    return max(16, triton.next_power_of_2(head_size))
+
+
+def variant_query_lens(head_size: int, dtype: torch.dtype, max_query_len: int) -> list[int]:
+    """One longest new-token run per tile variant that steps of up to
+    max_query_len new tokens per sequence use (runs of 2 and up: a step of
+    single tokens goes to the decode kernel). A step with each of these runs
+    compiles every variant that serving can meet, so a warm-up made of them
+    leaves no JIT compile for the middle of serving."""
+    head_pad = _head_pad(head_size)
+    lens, seen, bound = [], set(), 2
+    while bound < 2 * max_query_len:  # the tile height changes only at powers of two
+        n = min(bound, max_query_len)
+        config = tuple(sorted(_tile_config(head_pad, n, dtype).items()))
+        if config not in seen:
+            seen.add(config)
+            lens.append(n)
+        bound *= 2
+    return lens
+
+
 def _check(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out) -> None:
     if query.dim() != 3 or query.stride(2) != 1:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size] with a contiguous last dimension, "
@@ -283,8 +306,7 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    # tl.dot needs every dimension >= 16; padded head lanes are masked.
-    head_pad = max(16, triton.next_power_of_2(head_size))
+    head_pad = _head_pad(head_size)
     config = _tile_config(head_pad, max_query_len, query.dtype)
     tiles_per_seq = triton.cdiv(max_query_len, config["BLOCK_M"])
     widen = _INTERPRETING and query.dtype == torch.bfloat16
