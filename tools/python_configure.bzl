@@ -51,6 +51,7 @@ def _python_configure_impl(ctx):
         "%{python}": info["python"],
         "%{torch_lib}": info["torch_lib"],
         "%{cxx11_abi}": str(info["torch_cxx11_abi"]),
+        "%{torch_cuda_linkopts}": repr(["-lc10_cuda"] if info["torch_cuda"] else []),
     })
     ctx.file("build_info.bzl", "\n".join([
         '"""Facts about the configured interpreter, for BUILD files and tests."""',

@@ -5,6 +5,7 @@ its contents -- the pagoda sources and kernels, nothing else."""
 from __future__ import annotations
 
 import glob
+import io
 import os
 import re
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from elftools.elf.dynamic import DynamicSection
+from elftools.elf.elffile import ELFFile
 from packaging.requirements import Requirement
 from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
@@ -75,6 +78,27 @@ def test_requirements_pin_the_torch_of_the_kernels(wheel):
     assert requires == dict(pins, torch=requires["torch"])
     assert "pytest" in build_and_test and "pytest" not in requires
     assert metadata["Version"] == parse_wheel_filename(wheel.name)[1].public
+
+
+def _runpaths(library) -> list[str]:
+    entries = []
+    for section in ELFFile(library).iter_sections():
+        if isinstance(section, DynamicSection):
+            for tag in section.iter_tags():
+                if tag.entry.d_tag in ("DT_RUNPATH", "DT_RPATH"):
+                    entries += getattr(tag, "runpath", getattr(tag, "rpath", "")).split(":")
+    return entries
+
+
+def test_libraries_find_torch_relative_to_themselves(wheel):
+    # No path of the build machine (the configured venv's torch/lib) in a
+    # shipped library: only $ORIGIN-relative entries (pyelftools, auditwheel's ELF reader).
+    with zipfile.ZipFile(wheel) as archive:
+        libraries = [n for n in archive.namelist() if n.endswith(".so")]
+        assert libraries
+        for name in libraries:
+            with archive.open(name) as member:
+                assert _runpaths(io.BytesIO(member.read())) == ["$ORIGIN/../torch/lib"], name
 
 
 def test_console_script_is_the_cli(wheel):

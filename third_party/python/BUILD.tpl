@@ -17,7 +17,9 @@ cc_library(
 )
 
 # torch's C++ API (ATen, c10, torch/library.h). The extension is loaded into a
-# process that has already imported torch, so these libraries are found there.
+# process that has already imported torch, so these libraries are found there
+# (by soname). No -rpath to this interpreter's torch/lib: that path would ship
+# inside the wheel; the extensions add a relative one (tools/pybind.bzl).
 cc_library(
     name = "torch",
     hdrs = glob([
@@ -33,11 +35,19 @@ cc_library(
     ],
     linkopts = [
         "-L%{torch_lib}",
-        "-Wl,-rpath,%{torch_lib}",
         "-ltorch",
         "-ltorch_cpu",
         "-lc10",
     ],
+)
+
+# c10's CUDA half (streams, the caching allocator), which the CUDA op glue
+# calls, as torch's CUDAExtension links it; nothing when the configured torch
+# is a CPU build (there the CUDA glue only compiles, as in CI).
+cc_library(
+    name = "torch_cuda",
+    linkopts = %{torch_cuda_linkopts},
+    deps = [":torch"],
 )
 
 py_runtime(
