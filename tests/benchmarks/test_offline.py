@@ -154,3 +154,34 @@ def test_model_shapes_in_the_repo():
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](llama, "cpu")
     torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=0)
     assert not torch.equal(ours, _default_inv_freq(theta, 128))  # the scaling does change long wavelengths
+
+
+def test_throughput_of_text_prompts(pagoda_cli, tiny_model, tmp_path):
+    """--prompt-tokenizer: the random ids decoded to text, which the engine
+    encodes again inside the timed run; the prompt tokens reported are the
+    engine's, and the baseline runs those same tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
+
+    from pagoda.benchmarks.datasets import DatasetSpec, RandomDataset, special_token_ids
+
+    # Byte-level, no merges: 256 ids, the tiny model's vocabulary.
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path / "tok")
+    out = tmp_path / "text.json"
+    code, _, stderr = pagoda_cli(
+        "bench", "throughput", "--model", tiny_model, "--tokenizer", tmp_path / "tok", "--dtype", "float32",
+        "--device", "cpu", "--kv-cache-space", "0.05", "--num-prompts", "4", "--input-len", "10", "--output-len", "3",
+        "--prompt-tokenizer", tmp_path / "tok", "--hf-baseline", "--output-json", out, "--disable-tqdm")
+    assert code == 0, stderr
+    result = read_json(out)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    special = special_token_ids(AutoConfig.from_pretrained(tiny_model))
+    ids = RandomDataset(256, 0, special).sample(DatasetSpec(4, (10, 10), (3, 3)))
+    texts = hf_tokenizer.batch_decode([r.prompt_token_ids for r in ids])
+    encoded = sum(len(hf_tokenizer(t)["input_ids"]) for t in texts)
+    assert encoded != 4 * 10  # random bytes do not all decode to themselves: the count is the engine's
+    assert result["pagoda"]["total_prompt_tokens"] == result["hf"]["total_prompt_tokens"] == encoded
+    assert result["pagoda"]["total_output_tokens"] == result["hf"]["total_output_tokens"] == 12

@@ -90,8 +90,8 @@ def test_text_prompts_are_the_ids_decoded(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pagoda.benchmarks.datasets import SampleRequest
-    from pagoda.benchmarks.serve import as_text, completion_payload
+    from pagoda.benchmarks.datasets import SampleRequest, as_text
+    from pagoda.benchmarks.serve import completion_payload
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

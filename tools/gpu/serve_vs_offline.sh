@@ -13,12 +13,13 @@
 # to "inf"; NUM_PROMPTS (1000), INPUT_LEN (512) and OUTPUT_LEN (128) set the workload
 # (RATED_PROMPTS, default NUM_PROMPTS: the prompts of each finite rate's run);
 # PROMPTS=text sends text prompts (as vLLM's benchmark does: the server
-# tokenizes) instead of token ids; SERVER_ARGS go to the server (e.g. --api-server-count 2), TAG names such a
+# tokenizes; the offline run gets the same text) instead of token ids;
+# SERVER_ARGS go to the server (e.g. --api-server-count 2), TAG names such a
 # run's files; SKIP_OFFLINE=1 leaves out the offline run; PROFILE_DELAY (2)
-# and PROFILE_S (5) place the saturated window; TRACE=1 records the
-# timeline of the processes (tools/gpu/trace: one RATE per call) and prints
-# it binned, online beside offline. Needs the server's packages (starlette, uvicorn, pydantic) and,
-# for the profile, py-spy on PATH. Logs and JSON go to $OUT (default
+# and PROFILE_S (5) place the saturated window; TRACE=1 records the timeline
+# of the processes (tools/gpu/trace: one RATE per call) and prints it binned,
+# online beside offline. Needs the server's packages (starlette, uvicorn,
+# pydantic) and, for the profile, py-spy on PATH. Logs and JSON go to $OUT (default
 # ./gpu-results).
 set -uo pipefail
 shape=$1 tokenizer=$2; shift 2
@@ -31,6 +32,8 @@ name=$shape${TAG:+_$TAG}
 workload=(--dataset-name random --num-prompts "${NUM_PROMPTS:-1000}" --input-len "${INPUT_LEN:-512}"
   --output-len "${OUTPUT_LEN:-128}" --seed 0)
 port=8123
+text=()  # PROMPTS=text: online and offline alike
+[[ ${PROMPTS:-ids} == text ]] && text=(--prompt-tokenizer "$tokenizer")
 trace() {  # trace PHASE COMMAND...: the command, traced under TRACE=1. Only
   # called in a subshell (backgrounded or piped): exec keeps $! the process.
   if [[ ${TRACE:-0} == 1 ]]; then
@@ -54,7 +57,7 @@ for rate in "${rates[@]}"; do
   # Random prompts are token ids of the model's vocabulary (its config); the server detokenizes.
   prompts=()
   [[ $rate != inf ]] && prompts=(--num-prompts "${RATED_PROMPTS:-${NUM_PROMPTS:-1000}}")
-  [[ ${PROMPTS:-ids} == text ]] && prompts+=(--prompt-tokenizer "$tokenizer")
+  prompts+=("${text[@]}")
   trace "$name" python3 -m pagoda.entrypoints.cli bench serve --port $port --model "$shape" --tokenizer "$model" \
     "${workload[@]}" "${prompts[@]}" --ignore-eos --request-rate "$rate" --disable-tqdm --save-result --result-dir "$out" \
     --result-filename "serve_${name}_rate_$rate.json" >"$out/client_${name}_rate_$rate.log" 2>&1 &
@@ -87,7 +90,7 @@ done
 kill $server; wait $server 2>/dev/null; trap - EXIT
 
 [[ ${SKIP_OFFLINE:-0} == 1 ]] || trace "${name}_offline" python3 -m pagoda.entrypoints.cli bench throughput --model-shape "$shape" --tokenizer "$tokenizer" "${workload[@]}" \
-  --disable-tqdm --output-json "$out/throughput_$shape.json" 2>&1 | tail -n 2
+  "${text[@]}" --disable-tqdm --output-json "$out/throughput_$name.json" 2>&1 | tail -n 2
 
 cat "$out/cpu_$name.txt" 2>/dev/null
 for phase in "$name" "${name}_offline"; do

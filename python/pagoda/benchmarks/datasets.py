@@ -106,6 +106,25 @@ def verify_fits(requests: list[SampleRequest], max_model_len: int) -> None:
             f"max_model_len={max_model_len}: raise --max-model-len or shorten the workload")
 
 
+def as_text(requests: list[SampleRequest], tokenizer_path: str) -> list[SampleRequest]:
+    """The requests with text prompts, as vLLM's random dataset gives them:
+    the ids decoded, so the engine tokenizes (the text may encode to a few
+    more or fewer tokens; what the engine counted is reported)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    texts = tokenizer.batch_decode([r.prompt_token_ids for r in requests])
+    return [SampleRequest(r.prompt_token_ids, r.expected_output_len, text) for r, text in zip(requests, texts)]
+
+
+def sample_requests(args: argparse.Namespace, spec: DatasetSpec, vocab_size: int,
+                    exclude_token_ids=()) -> list[SampleRequest]:
+    """The workload of add_dataset_args' flags: random ids of the vocabulary
+    (--seed), as text where --prompt-tokenizer says so."""
+    requests = RandomDataset(vocab_size, args.seed, exclude_token_ids).sample(spec)
+    return as_text(requests, args.prompt_tokenizer) if args.prompt_tokenizer else requests
+
+
 def _range_ratio(text: str) -> float:
     try:
         value = float(text)
@@ -131,6 +150,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                        help="lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed lengths)")
     group.add_argument("--random-prefix-len", type=non_negative_int, default=None,
                        help="tokens of one shared prefix in front of every prompt (default 0)")
+    group.add_argument("--prompt-tokenizer", default=None, metavar="DIR",
+                       help="text prompts (vLLM's random dataset gives them): the random ids decoded with this "
+                            "Hugging Face tokenizer folder, tokenized again by the engine (default: token-id prompts)")
 
 
 def get_dataset_spec(args: argparse.Namespace) -> DatasetSpec:

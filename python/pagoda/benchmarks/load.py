@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from pagoda.benchmarks.datasets import (RandomDataset, SampleRequest, add_dataset_args, get_dataset_spec,
+from pagoda.benchmarks.datasets import (SampleRequest, add_dataset_args, get_dataset_spec, sample_requests,
                                        verify_fits)
 from pagoda.benchmarks.serve import (RequestFuncOutput, Server, add_server_args, async_request_openai_completions,
                                      calculate_metrics, check_first_request, client_session, completion_payload,
@@ -351,7 +351,7 @@ def main(args: argparse.Namespace) -> dict:
     url = server_url(args)
     require_loopback(url)
     server = find_server(args, url)
-    requests = RandomDataset(server.vocab_size, args.seed, server.special_ids).sample(spec)
+    requests = sample_requests(args, spec, server.vocab_size, server.special_ids)
     if server.max_model_len is not None:  # a 400 for a request that cannot fit would hide real failures
         verify_fits(requests, server.max_model_len)
     print(f"bench load: {url} model {server.model}; {args.clients} clients for {args.duration:g} s; "

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from pagoda.benchmarks.datasets import (RandomDataset, SampleRequest, add_dataset_args, get_dataset_spec,
+from pagoda.benchmarks.datasets import (SampleRequest, add_dataset_args, get_dataset_spec, sample_requests,
                                        special_token_ids)
 from pagoda.entrypoints.cli_args import positive_float, positive_int
 
@@ -323,17 +323,6 @@ def find_server(args: argparse.Namespace, url: str) -> Server:
                   card.get("max_model_len"))
 
 
-def as_text(requests: list[SampleRequest], tokenizer_path: str) -> list[SampleRequest]:
-    """The requests with text prompts, as vLLM's random dataset sends them:
-    the ids decoded, so the server tokenizes (the text may encode to a few
-    more or fewer tokens; usage reports what the server counted)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    texts = tokenizer.batch_decode([r.prompt_token_ids for r in requests])
-    return [SampleRequest(r.prompt_token_ids, r.expected_output_len, text) for r, text in zip(requests, texts)]
-
-
 def add_server_args(parser: argparse.ArgumentParser):
     """Flags that find a running server and its model; returns their group."""
     server = parser.add_argument_group("server")
@@ -362,9 +351,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--ignore-eos", action="store_true", help="generate exactly each request's output length")
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--prompt-tokenizer", default=None, metavar="DIR",
-                      help="send text prompts (vLLM's random dataset does): the random ids decoded with this "
-                           "Hugging Face tokenizer folder, tokenized again by the server (default: token-id prompts)")
     report = parser.add_argument_group("report")
     report.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                         help=f"comma-separated, from {','.join(METRICS)}")
@@ -395,9 +381,7 @@ def main(args: argparse.Namespace) -> dict:
     spec = get_dataset_spec(args)
     server = find_server(args, server_url(args))
     base_url, model = server.url, server.model
-    requests = RandomDataset(server.vocab_size, args.seed, server.special_ids).sample(spec)
-    if args.prompt_tokenizer:
-        requests = as_text(requests, args.prompt_tokenizer)
+    requests = sample_requests(args, spec, server.vocab_size, server.special_ids)
     ignore_eos = args.ignore_eos or spec.ignore_eos
     print(f"bench serve: {base_url}{args.endpoint} model {model}; {spec.describe()}; request rate "
           f"{args.request_rate}, max concurrency {args.max_concurrency}, ignore_eos {ignore_eos}")

@@ -12,8 +12,8 @@ import json
 import time
 from dataclasses import asdict
 
-from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, add_dataset_args, get_dataset_spec,
-                                        special_token_ids, verify_fits)
+from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
+                                        get_dataset_spec, sample_requests, special_token_ids, verify_fits)
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
 
 
@@ -38,23 +38,26 @@ def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_toke
     )
 
 
-def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True) -> dict:
+def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True) -> tuple[dict, list[list[int]]]:
     """Times LLM.generate on `requests` after a run of `warmup` (requests of
-    other tokens: the timed ones must not find themselves in the prefix cache)."""
+    other tokens: the timed ones must not find themselves in the prefix cache);
+    returns the figures and the prompts' ids as the engine took them."""
     from pagoda import SamplingParams
 
     # Explicit top_k/top_p: a model's generation_config must not make Pagoda
     # sample differently from the baseline.
     params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, ignore_eos=True,
                              max_tokens=r.expected_output_len) for r in requests]
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    # Text prompts are tokenized by the engine, inside the timed run (as vLLM's benchmark does).
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} if r.prompt is None else r.prompt for r in requests]
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
                  [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True) for r in warmup], use_tqdm=False)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return summarize(elapsed, len(requests), sum(r.prompt_len for r in requests), output_tokens)
+    prompts = [o.prompt_token_ids for o in outputs]
+    return summarize(elapsed, len(requests), sum(map(len, prompts)), output_tokens), prompts
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -67,14 +70,17 @@ def main(args: argparse.Namespace) -> dict:
     llm = LLM(**asdict(engine_args))
     model_config = llm.llm_engine.model_config
     vocab, special = model_config.hf_config.vocab_size, special_token_ids(model_config.hf_config)
-    requests = RandomDataset(vocab, args.seed, special).sample(spec)
+    requests = sample_requests(args, spec, vocab, special)
     verify_fits(requests, model_config.max_model_len)
     # Short (fits wherever the first request fits), of other random tokens.
     prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
     temperature = 0.0 if args.greedy else 1.0
-    results = dict(pagoda=run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm))
+    figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm)
+    results = dict(pagoda=figures)
+    # The baseline gets the same tokens (text prompts: as the engine encoded them).
+    requests = [SampleRequest(ids, r.expected_output_len) for ids, r in zip(prompts, requests)]
     device = llm.llm_engine.model_config.device
     del llm  # free its weights and KV cache before the baseline loads
     gc.collect()
