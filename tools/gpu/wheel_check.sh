@@ -63,7 +63,13 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
 } >"$out/host.txt" 2>&1
 
 install_wheel() {
-  "$host_python" -m venv --system-site-packages "$venv" || return 1
+  local pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+  if ! "$host_python" -m venv --system-site-packages "$venv"; then
+    # No ensurepip for the base interpreter: the host's pip installs into the venv.
+    rm -rf "$venv"
+    "$host_python" -m venv --system-site-packages --without-pip "$venv" || return 1
+    pip=("$host_python" -m pip --disable-pip-version-check --python "$venv/bin/python")
+  fi
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
   # A venv's --system-site-packages reaches its base interpreter, not the
@@ -77,9 +83,9 @@ if sys.prefix != sys.base_prefix:
   shopt -s nullglob
   extra=("$carried"/*.whl)
   shopt -u nullglob
-  "$venv/bin/python" -m pip install --no-deps --no-index --disable-pip-version-check "$wheel" "${extra[@]}" || return 1
+  "${pip[@]}" install --no-deps --no-index "$wheel" "${extra[@]}" || return 1
   echo "pip check (informational: the host's pins differ from requirements.txt's):"
-  "$venv/bin/python" -m pip check --disable-pip-version-check || true
+  "${pip[@]}" check || true
   echo "installed $(basename "$wheel")"
 }
 step install 0 install_wheel || finish 1
