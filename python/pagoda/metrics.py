@@ -3,8 +3,10 @@
   Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s,
   Running: R reqs, Waiting: W reqs, KV cache usage: U%[, Prefix cache hit rate: H%]
 
-The engine calls record() once per model step (from whichever thread steps it),
-so a line appears only while the engine works: an idle engine logs nothing and
+The engine core calls record() once per model step (from whichever thread
+steps it) with the step's scheduler output and its SchedulerStats (the core's
+state after the step, as data: the logger never reaches into the engine), so
+a line appears only while the engine works: an idle engine logs nothing and
 needs no timer thread. Throughputs are averages over the interval since the
 previous line.
 """
@@ -13,8 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagoda.logger import init_logger
+
+if TYPE_CHECKING:
+    from pagoda.core.scheduler import SchedulerOutput
+    from pagoda.engine.core_messages import SchedulerStats
 
 logger = init_logger(__name__)
 
@@ -43,19 +50,19 @@ class Stats:
 
 
 class StatLogger:
-    def __init__(self, engine, interval: float = 10.0, clock=time.monotonic):
+    def __init__(self, interval: float = 10.0, clock=time.monotonic):
         if interval <= 0:
             raise ValueError(f"stats interval must be positive seconds, got {interval!r}")
-        self.engine = engine
         self.interval = interval
         self.clock = clock
         self.last_stats: Stats | None = None
         self._start = clock()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._prefix_base = self._prefix_counts()
+        self._latest: SchedulerStats | None = None  # the last step's
+        self._prefix_base = (0, 0)  # the core's cumulative (queries, hits) at the last line
 
-    def record(self, scheduler_output, num_generated_tokens: int) -> None:
+    def record(self, scheduler_output: SchedulerOutput, num_generated_tokens: int, stats: SchedulerStats) -> None:
         """Counts one step's work; logs when the interval has passed."""
         now = self.clock()
         if self._prompt_tokens == 0 and self._generation_tokens == 0 and now - self._start >= self.interval:
@@ -68,45 +75,36 @@ class StatLogger:
             end = min(item.start_position + len(item.token_ids), item.num_prompt_tokens)
             self._prompt_tokens += max(0, end - item.start_position)
         self._generation_tokens += num_generated_tokens
+        self._latest = stats
         if now - self._start >= self.interval:
             self.log(now)
 
     def log(self, now: float | None = None) -> Stats:
+        """The interval's line, from the last recorded step's state."""
         now = self.clock() if now is None else now
         elapsed = max(now - self._start, 1e-9)
-        scheduler = self.engine.scheduler
-        kv = self.engine.kv_cache_manager
+        latest = self._latest
+        running, waiting, usage = (0, 0, 0.0) if latest is None else (
+            latest.num_running, latest.num_waiting, latest.kv_cache_usage)
         stats = Stats(
             prompt_throughput=self._prompt_tokens / elapsed,
             generation_throughput=self._generation_tokens / elapsed,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_cache_usage=kv.usage(),
-            prefix_cache_hit_rate=self._prefix_hit_rate(),
+            num_running=running,
+            num_waiting=waiting,
+            kv_cache_usage=usage,
+            prefix_cache_hit_rate=self._prefix_hit_rate(latest),
         )
         logger.info(stats.format())
         self.last_stats = stats
         self._start, self._prompt_tokens, self._generation_tokens = now, 0, 0
         return stats
 
-    # Prefix-cache counters come from kv_cache_manager.prefix_cache_stats when
-    # the manager has them (queries/hits in tokens or blocks, cumulative); the
-    # rate shown is over this interval, as vLLM's is over recent requests.
-    def _prefix_counts(self) -> tuple[int, int] | None:
-        kv = self.engine.kv_cache_manager
-        stats = getattr(kv, "prefix_cache_stats", None)
-        if stats is None or not getattr(kv, "enable_caching", True):
+    def _prefix_hit_rate(self, latest: SchedulerStats | None) -> float | None:
+        """Over this interval, as vLLM's is over recent requests; None with
+        prefix caching off (or before any step)."""
+        if latest is None or not latest.prefix_caching:
             return None
-        queries, hits = getattr(stats, "queries", None), getattr(stats, "hits", None)
-        if queries is None or hits is None:
-            return None
-        return queries, hits
-
-    def _prefix_hit_rate(self) -> float | None:
-        counts = self._prefix_counts()
-        if counts is None:
-            return None
-        base = self._prefix_base or (0, 0)
-        self._prefix_base = counts
-        queries, hits = counts[0] - base[0], counts[1] - base[1]
+        base = self._prefix_base
+        self._prefix_base = (latest.prefix_cache_queries, latest.prefix_cache_hits)
+        queries, hits = latest.prefix_cache_queries - base[0], latest.prefix_cache_hits - base[1]
         return hits / queries if queries > 0 else 0.0

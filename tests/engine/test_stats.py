@@ -5,13 +5,13 @@ import asyncio
 import logging
 import re
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.core_messages import SchedulerStats
 from pagoda.metrics import StatLogger
 
 LINE = re.compile(
@@ -54,11 +54,10 @@ class FakeClock:
         return self.now
 
 
-def fake_engine(queries=0, hits=0, with_prefix_stats=True):
-    kv = SimpleNamespace(usage=lambda: 0.25)
-    if with_prefix_stats:
-        kv.prefix_cache_stats = SimpleNamespace(queries=queries, hits=hits)
-    return SimpleNamespace(kv_cache_manager=kv, scheduler=SimpleNamespace(running=[1, 2], waiting=[3]))
+def core_stats(queries=0, hits=0, prefix_caching=True):
+    """The core's state after a step, as it sends it."""
+    return SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=queries,
+                          prefix_cache_hits=hits, prefix_caching=prefix_caching)
 
 
 def chunk(start, num, num_prompt_tokens):
@@ -67,17 +66,16 @@ def chunk(start, num, num_prompt_tokens):
 
 def test_line_fields_and_interval_arithmetic(stats_lines):
     clock = FakeClock()
-    engine = fake_engine(queries=100, hits=10)
-    stats = StatLogger(engine, interval=10.0, clock=clock)
-    engine.kv_cache_manager.prefix_cache_stats = SimpleNamespace(queries=300, hits=110)  # +200 queries, +100 hits
-    # A 30-token prompt in chunks of 20 and 10 (the last samples), then decodes.
+    stats = StatLogger(interval=10.0, clock=clock)
+    # A 30-token prompt in chunks of 20 and 10 (the last samples), then decodes;
+    # the core's cumulative prefix counters reach 200 queries, 100 hits.
     clock.now = 4.0
-    stats.record(SchedulerOutput([chunk(0, 20, 30)]), num_generated_tokens=0)
+    stats.record(SchedulerOutput([chunk(0, 20, 30)]), 0, core_stats(100, 10))
     clock.now = 8.0
-    stats.record(SchedulerOutput([chunk(20, 10, 30)]), num_generated_tokens=1)
+    stats.record(SchedulerOutput([chunk(20, 10, 30)]), 1, core_stats(150, 60))
     assert stats_lines() == []  # not yet 10 s
     clock.now = 10.0
-    stats.record(SchedulerOutput([chunk(30, 1, 30), chunk(5, 1, 5)]), num_generated_tokens=2)
+    stats.record(SchedulerOutput([chunk(30, 1, 30), chunk(5, 1, 5)]), 2, core_stats(200, 100))
     [line] = stats_lines()
     m = LINE.match(line)
     assert m, line
@@ -85,16 +83,18 @@ def test_line_fields_and_interval_arithmetic(stats_lines):
     assert (m["running"], m["waiting"], m["kv"], m["hit"]) == ("2", "1", "25.0", "50.0")
     # Idle for a minute, then 5 s of work: the average covers the work only.
     clock.now = 70.0
-    stats.record(SchedulerOutput([chunk(30, 1, 30)]), num_generated_tokens=1)
+    stats.record(SchedulerOutput([chunk(30, 1, 30)]), 1, core_stats(200, 100))
     clock.now = 80.0
-    stats.record(SchedulerOutput([chunk(31, 1, 30)]), num_generated_tokens=1)
+    stats.record(SchedulerOutput([chunk(31, 1, 30)]), 1, core_stats(200, 100))
     assert len(stats_lines()) == 2
     assert stats.last_stats.generation_throughput == pytest.approx(0.2)
     assert stats.last_stats.prefix_cache_hit_rate == 0.0  # no lookups this interval
 
 
-def test_no_hit_rate_without_prefix_cache_stats(stats_lines):
-    stats = StatLogger(fake_engine(with_prefix_stats=False), interval=1.0, clock=FakeClock())
+def test_no_hit_rate_without_prefix_caching(stats_lines):
+    stats = StatLogger(interval=1.0, clock=FakeClock())
+    assert stats.log().prefix_cache_hit_rate is None  # before any step
+    stats.record(SchedulerOutput([chunk(0, 3, 3)]), 1, core_stats(prefix_caching=False))
     line = stats.log().format()
     assert LINE.match(line) and "Prefix cache" not in line
 
@@ -104,7 +104,7 @@ def test_offline_engine_counts_every_token(folder, stats_lines):
     core = llm.llm_engine.core
     assert core.stat_logger is None  # off by default, as vLLM's disable_log_stats=True
     clock = FakeClock()
-    stats = core.stat_logger = StatLogger(core, interval=1e9, clock=clock)
+    stats = core.stat_logger = StatLogger(interval=1e9, clock=clock)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate(PROMPTS, params, use_tqdm=False)
     assert stats_lines() == []

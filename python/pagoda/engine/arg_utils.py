@@ -71,7 +71,7 @@ class EngineArgs:
         started = time.perf_counter()
         engine = LLMEngine(*self.create_engine_configs())
         if not self.disable_log_stats:
-            engine.core.stat_logger = StatLogger(engine.core, self.stats_interval)
+            engine.core.stat_logger = StatLogger(self.stats_interval)
         # Config, tokenizer and model runner together: the cold start a user waits for.
         logger.info(
             "engine ready in %.1f s (async scheduling %s)",

@@ -164,7 +164,7 @@ class AsyncLLM:
         if not disable_log_stats and engine.core.stat_logger is None:
             from pagoda.metrics import StatLogger
 
-            engine.core.stat_logger = StatLogger(engine.core, stats_interval)
+            engine.core.stat_logger = StatLogger(stats_interval)
         self._start_inproc(engine)
         return self
 

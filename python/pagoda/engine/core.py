@@ -164,7 +164,7 @@ class EngineCore:
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting, kv_cache_usage=kv.usage(),
             num_blocks=kv.pool.num_blocks, num_used_blocks=kv.pool.num_blocks - kv.num_free_blocks,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
-            num_preemptions=scheduler.num_preemptions,
+            num_preemptions=scheduler.num_preemptions, prefix_caching=kv.enable_caching,
         )
 
     # --- the step -----------------------------------------------------------
@@ -233,9 +233,6 @@ class EngineCore:
         sampled = {request_id: token for request_id, token in zip(result.req_ids, result.sampled_token_ids)
                    if current(request_id)}
         advanced = self.scheduler.update_from_output(step.scheduled, sampled)
-        if self.stat_logger is not None:
-            self.stat_logger.record(step.scheduled, num_generated_tokens=len(advanced))
-
         logprobs = result.logprobs
         rows = {request_id: row for row, request_id in enumerate(result.req_ids)} if logprobs is not None else None
         outputs = []
@@ -251,6 +248,8 @@ class EngineCore:
             if finish_reason is not None:
                 self._release(request.request_id, _FINISH_STATUS[finish_reason])
             outputs.append(output)
+        if self.stat_logger is not None:  # the state after the step, finished sequences released
+            self.stat_logger.record(step.scheduled, len(advanced), self.stats())
         return outputs
 
     @staticmethod

@@ -59,6 +59,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    prefix_caching: bool = False  # whether the prefix counters mean anything
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

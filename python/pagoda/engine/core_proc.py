@@ -53,7 +53,7 @@ def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: s
         if not args.disable_log_stats:
             from pagoda.metrics import StatLogger
 
-            core.stat_logger = StatLogger(core, args.stats_interval)
+            core.stat_logger = StatLogger(args.stats_interval)
         proc = EngineCoreProc(core, input_address)
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which raises it
         startup.send(("error", type(exc).__name__, str(exc)))
