@@ -9,6 +9,7 @@ another torch fails inside the dynamic linker with an unhelpful
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -51,8 +52,10 @@ def _find(stem: str) -> Path | None:
     return None
 
 
+@functools.cache
 def load():
-    """Imports pagoda._C (and the CUDA ops where they apply); returns pagoda._C."""
+    """Imports pagoda._C (and the CUDA ops where they apply), once; returns
+    pagoda._C."""
     path = _find("_C")
     if path is None:
         raise ImportError(f"pagoda._C is not built in {_PACKAGE_DIR}; build it: {_REBUILD_HINT.split(': ', 1)[1]}")
@@ -71,8 +74,7 @@ def load():
 def has_kernel(op: str, device: str = "cuda") -> bool:
     """Whether torch.ops.pagoda.<op> has an implementation for `device`
     ("cpu", "cuda") in this process."""
-    import pagoda.ops  # noqa: F401 -- loads the libraries (once) before asking
-
+    load()
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper())
 
 
