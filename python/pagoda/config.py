@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+# The loader of the compiled kernels (imports no other part): the device
+# choice below depends on whether the CUDA kernels load.
+from pagoda import _native
 from pagoda.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,8 +52,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r} (pick a GPU with CUDA_VISIBLE_DEVICES)")
     if name == "cpu":
         return torch.device("cpu")
-    from pagoda import _native, ops  # noqa: F401  (importing ops loads the kernels)
-
     if not torch.cuda.is_available():
         if name == "cuda":
             raise ValueError(
@@ -217,6 +218,9 @@ class CacheConfig:
         return int(space * GiB) if space < 4096 else int(space)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -229,8 +233,6 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self):
-        from pagoda.core.request_queue import SCHEDULING_POLICIES
-
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

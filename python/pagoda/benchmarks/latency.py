@@ -40,7 +40,8 @@ def latency_stats(latencies: list[float]) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from pagoda import LLM, SamplingParams
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
 
     engine_args = engine_args_from_cli(args)
     llm = LLM(**asdict(engine_args))

@@ -42,7 +42,7 @@ def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True)
     """Times LLM.generate on `requests` after a run of `warmup` (requests of
     other tokens: the timed ones must not find themselves in the prefix cache);
     returns the figures and the prompts' ids as the engine took them."""
-    from pagoda import SamplingParams
+    from pagoda.sampling_params import SamplingParams
 
     # Explicit top_k/top_p: a model's generation_config must not make Pagoda
     # sample differently from the baseline.
@@ -63,7 +63,7 @@ def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True)
 def main(args: argparse.Namespace) -> dict:
     import torch
 
-    from pagoda import LLM
+    from pagoda.entrypoints.llm import LLM
 
     spec = get_dataset_spec(args)
     engine_args = engine_args_from_cli(args)

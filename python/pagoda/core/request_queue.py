@@ -8,9 +8,8 @@ import collections
 import heapq
 import itertools
 
+from pagoda.config import SCHEDULING_POLICIES
 from pagoda.core.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class FCFSRequestQueue:

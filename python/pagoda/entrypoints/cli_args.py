@@ -8,8 +8,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS
-from pagoda.core.request_queue import SCHEDULING_POLICIES
+from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS, SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
 ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}

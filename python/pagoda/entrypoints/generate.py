@@ -29,7 +29,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> str:
     """Prints the completion as it grows; returns its text."""
-    from pagoda import LLM, SamplingParams
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
 
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
