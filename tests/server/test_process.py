@@ -51,16 +51,27 @@ def start(model_folder, *flags, server=SERVER):
 CLIENTS, MAX_TOKENS = 8, 120
 
 
-def stream(url, results, index, first_chunk):
+def stream(url, results, index, accepted):
+    """One streamed completion; releases `accepted` once the server has
+    answered with its headers (the request is in flight)."""
     body = {"model": MODEL, "prompt": [5, 6, 7 + index], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        events = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-                first_chunk.set()
-    results[index] = events
+        accepted.release()
+        results[index] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def start_clients(url, results, count):
+    """`count` streaming clients, returned once the server has accepted every
+    one (on a loaded machine a fixed wait is not enough: a client that has not
+    connected when the signal comes is refused, not drained)."""
+    accepted = threading.Semaphore(0)
+    threads = [threading.Thread(target=stream, args=(url, results, i, accepted)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert accepted.acquire(timeout=60), "the server did not accept every client"
+    return threads
 
 
 def event_json(event: str) -> dict:
@@ -73,12 +84,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_folder):
     # bound is far above the work left (seconds; more on a loaded machine): nothing is cut short.
     proc, url = start(model_folder, "--max-num-seqs", "1", "--timeout-graceful-shutdown", "120")
     try:
-        results, first_chunk = {}, threading.Event()
-        clients = [threading.Thread(target=stream, args=(url, results, i, first_chunk)) for i in range(CLIENTS)]
-        for c in clients:
-            c.start()
-        assert first_chunk.wait(60)
-        time.sleep(0.2)  # all requests have arrived
+        results = {}
+        clients = start_clients(url, results, CLIENTS)
         assert len(results) < CLIENTS - 1, "the requests ended before the signal: nothing left to drain"
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -109,12 +116,8 @@ def test_drain_is_bounded(model_folder):
     proc, url = start(model_folder, "--max-num-seqs", "1", "--timeout-graceful-shutdown", "0.5")
     clients = 2 * CLIENTS  # seconds of work, one sequence at a time
     try:
-        results, first_chunk = {}, threading.Event()
-        threads = [threading.Thread(target=stream, args=(url, results, i, first_chunk)) for i in range(clients)]
-        for t in threads:
-            t.start()
-        assert first_chunk.wait(60)
-        time.sleep(0.2)
+        results = {}
+        threads = start_clients(url, results, clients)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         for t in threads:
