@@ -1,6 +1,6 @@
 """Packs files into a PEP 427 wheel (run by the py_wheel rule, tools/wheel.bzl).
 
-The version is read from the package's __init__.py (`__version__`, stated once
+The version is read from the package's version.py (`__version__`, stated once
 there); Requires-Dist comes from the runtime section of requirements.txt, with
 torch pinned to the version the kernels were compiled against. The python, ABI
 and platform tags are those of the interpreter running this script, which the
@@ -50,11 +50,11 @@ def runtime_requirements(requirements_text: str, torch_version: str) -> list[str
 
 
 def package_version(init_source: str) -> str:
-    """`__version__ = "..."` of an __init__.py, read without importing it."""
+    """`__version__ = "..."` of a module, read without importing it."""
     for node in ast.parse(init_source).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise SystemExit("no __version__ in the package's __init__.py")
+    raise SystemExit("no __version__ in the package's version.py")
 
 
 def interpreter_tag(python_version: str) -> str:
@@ -83,10 +83,10 @@ def _add(archive: zipfile.ZipFile, path: str, data: bytes, executable: bool = Fa
 
 def build(args: argparse.Namespace) -> str:
     files = dict(item.split("=", 1) for item in args.files)
-    init = f"{args.name}/__init__.py"
-    if init not in files:
-        raise SystemExit(f"{init} is not among the wheel's files")
-    with open(files[init], encoding="utf-8") as f:
+    version_file = f"{args.name}/version.py"
+    if version_file not in files:
+        raise SystemExit(f"{version_file} is not among the wheel's files")
+    with open(files[version_file], encoding="utf-8") as f:
         version = package_version(f.read())
     with open(args.requirements, encoding="utf-8") as f:
         requires = runtime_requirements(f.read(), args.torch_version)

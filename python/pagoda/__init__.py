@@ -7,8 +7,8 @@ kernels.
 
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 

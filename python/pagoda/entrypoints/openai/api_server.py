@@ -30,7 +30,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import pagoda
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.cli_args import (add_engine_args, engine_args_from_cli, non_negative_int, positive_float,
                                          positive_int)
@@ -47,6 +46,7 @@ from pagoda.entrypoints.openai.serving_tokenization import create_detokenize, cr
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.prometheus import PrometheusStatLogger
+from pagoda.version import __version__
 
 logger = init_logger("pagoda.server")
 
@@ -146,13 +146,13 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
         return Response(status_code=200)
 
     async def version(request: Request) -> Response:
-        return JSONResponse({"version": pagoda.__version__})
+        return JSONResponse({"version": __version__})
 
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_schema(endpoints, "Pagoda", pagoda.__version__, api_key is not None))
+        return JSONResponse(openapi_schema(endpoints, "Pagoda", __version__, api_key is not None))
 
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
