@@ -9,8 +9,10 @@ generation_config.json without overriding what the user asked for.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 # Temperatures below this are greedy (as in vLLM): dividing logits by them
 # only amplifies float noise, and argmax is what the user means.
@@ -52,6 +54,68 @@ def _is_count(x, low: int) -> bool:
     return _is_int(x) and low <= x <= MAX_INT
 
 
+# What a structured output may be constrained by, in StructuredOutputsParams'
+# field order: exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's name and fields), enforced
+    with a grammar: a JSON schema (a dict, or its JSON text), a regular
+    expression, one string of a list, an EBNF/GBNF grammar (root rule
+    `root`), or any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between tokens (vLLM's option): models trained
+    # on compact JSON, and bounded lengths whatever the weights.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self._verify()
+
+    def _verify(self) -> None:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {v!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): what a compiled grammar is cached by."""
+        kind = next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        if kind == "json_object":
+            return kind, ""
+        return kind, value if isinstance(value, str) else json.dumps(value)
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1
@@ -76,6 +140,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     timeout_seconds: float | None = None  # per-request deadline, from arrival
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows a grammar
 
     # Records the keyword arguments the caller passed. __new__ sees the same
     # arguments as the generated __init__, and copy/pickle restore the set
@@ -155,6 +220,8 @@ class SamplingParams:
         need(self.timeout_seconds is None
              or (_is_number(self.timeout_seconds) and 0 < self.timeout_seconds <= MAX_TIMEOUT_SECONDS),
              f"timeout_seconds must be in (0, {MAX_TIMEOUT_SECONDS:g}], got {self.timeout_seconds!r}")
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def explicit_fields(self) -> frozenset[str]:

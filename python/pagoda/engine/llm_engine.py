@@ -28,7 +28,8 @@ class LLMEngine:
         # skip_tokenizer_init (vLLM's): token-id prompts only, outputs without text.
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
         self.eos_token_ids = eos_token_ids(model_config, self.tokenizer)
-        self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids)
+        self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids,
+                               tokenizer=self.tokenizer)
         self.processor = Processor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.processor.vocab_size

@@ -16,6 +16,7 @@ from typing import Any
 from pagoda.config import ModelConfig
 from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine import structured_output
 from pagoda.engine.output_processor import Completion, RequestState
 from pagoda.outputs import RequestMetrics, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
@@ -85,6 +86,10 @@ class Processor:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine has skip_tokenizer_init=True: "
                              "use stop_token_ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer, but the engine has skip_tokenizer_init=True")
+            structured_output.check(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         self._check_length(len(token_ids))
         arrival_time = time.time() if arrival_time is None else arrival_time

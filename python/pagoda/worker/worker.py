@@ -31,6 +31,7 @@ from pagoda.model_executor.layers.sampler import (
     SamplingMetadata,
     compute_token_logprobs,
     make_generator,
+    to_device,
 )
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.sampling_params import SamplingParams
@@ -109,6 +110,8 @@ class Worker:
         self.eos_token_ids = sorted(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
         self._previous: StepHandle | None = None  # its samples feed this step's pending tokens
+        # Structured outputs: this step's bitmask rows (host int32) by request id.
+        self._grammar_rows: dict[str, torch.Tensor] = {}
         # A test hook: called as fault_hook(stage, request_ids) where a step
         # works on those requests ("prepare", "sample", "prompt logprobs");
         # what it raises is handled as a failure of that work would be.
@@ -118,6 +121,9 @@ class Worker:
         """Applies the scheduler's changes, queues the step's model and
         sampler work on the device, and returns without waiting for it."""
         self._update_states(scheduled)
+        self._grammar_rows = {}
+        if scheduled.grammar_request_ids:
+            self._grammar_rows = dict(zip(scheduled.grammar_request_ids, torch.from_numpy(scheduled.grammar_bitmask)))
         failed: dict[str, str] = {}
         items = scheduled.scheduled
         sampling_ids = [item.request_id for item in items if item.sample]
@@ -181,7 +187,7 @@ class Worker:
         generators = [None if s is None else s.generator for s in states]
         if trial:
             generators = [None if g is None else g.clone_state() for g in generators]
-        return SamplingMetadata.from_requests(
+        md = SamplingMetadata.from_requests(
             [_NEUTRAL_PARAMS if s is None else s.params for s in states],
             [() if s is None else s.output_token_ids for s in states],
             prompt_token_ids=[() if s is None else s.prompt_token_ids for s in states],
@@ -190,6 +196,16 @@ class Worker:
             device=self.device,
             num_output_tokens=[0 if s is None else s.num_sampled for s in states],
         )
+        constrained = [i for i, r in enumerate(rows) if r in self._grammar_rows]
+        if constrained:
+            # One host-to-device copy for the batch; the rows of free
+            # requests allow everything and are skipped by the kernel.
+            first = self._grammar_rows[rows[constrained[0]]]
+            bitmask = torch.full((len(rows), first.shape[0]), -1, dtype=torch.int32)
+            for i in constrained:
+                bitmask[i] = self._grammar_rows[rows[i]]
+            md.grammar_bitmask, md.grammar_rows = to_device(bitmask, torch.int32, self.device), constrained
+        return md
 
     def _per_request(self, stage: str, rows: list[str | None], failed: dict[str, str],
                      run: Callable[[list[str | None]], T], trial: Callable[[int, str], Any]) -> tuple[list[str | None], T]:

@@ -5,9 +5,14 @@ them.
 Unknown fields are refused (extra="forbid") rather than ignored, values of
 another JSON type than the schema's are refused rather than coerced (strict:
 `"n": "2"` or `"stream": 0` is a 400), and known OpenAI features Pagoda
-lacks (tools, structured output, best_of) are refused with a 400 that says
-so: a client must never get an answer that silently ignored or reinterpreted
-part of its request."""
+lacks (tools, best_of) are refused with a 400 that says so: a client must
+never get an answer that silently ignored or reinterpreted part of its
+request.
+
+Structured outputs come in three shapes, all mapped onto one
+SamplingParams.structured_outputs: OpenAI's chat `response_format`
+(json_object, json_schema), vLLM's `structured_outputs` object, and vLLM's
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
 
 from __future__ import annotations
 
@@ -42,6 +47,22 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pen
                     "logit_bias", "skip_special_tokens", "include_stop_str_in_output", "timeout_seconds")
 
 
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` field (SamplingParams.structured_outputs)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # BaseModel has a json attribute
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# vLLM's older fields -> the structured_outputs field each one sets.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: int = 1
@@ -69,6 +90,11 @@ class _SamplingRequest(_Strict):
     # Pagoda's: the response (or the last stream chunk) carries
     # timings {queue_s, prefill_s, decode_s, total_s}.
     return_timings: bool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Known OpenAI/vLLM fields that Pagoda refuses (checked below).
     best_of: int | None = None
 
@@ -88,9 +114,26 @@ class _SamplingRequest(_Strict):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams arguments for the fields the client set: unset ones
-        keep the model's generation_config defaults."""
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS
-                if name in self.model_fields_set and getattr(self, name) is not None}
+        keep the model's generation_config defaults. structured_outputs is a
+        dict of StructuredOutputsParams' arguments."""
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS
+                  if name in self.model_fields_set and getattr(self, name) is not None}
+        structured = self.structured_outputs_kwargs()
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
+        return kwargs
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        """The structured_outputs field with the guided fields merged in."""
+        kwargs = {} if self.structured_outputs is None else self.structured_outputs.model_dump(exclude_unset=True,
+                                                                                             by_alias=True)
+        for guided, name in _GUIDED_FIELDS.items():
+            value = getattr(self, guided)
+            if value is not None:
+                if kwargs.get(name) is not None:
+                    raise ValueError(f"{guided} and structured_outputs.{name} are both set: give one")
+                kwargs[name] = value
+        return kwargs or None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -162,9 +205,26 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": content or ""}
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    # OpenAI's strict mode: the output follows the schema exactly, as it
+    # always does here.
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only allowed with type 'json_schema', not {self.type!r}")
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -185,13 +245,28 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tools are not supported by Pagoda yet")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported by Pagoda yet")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported by Pagoda yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return self
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        """response_format as structured_outputs (with the options given in
+        structured_outputs, e.g. disable_any_whitespace); "text" is none."""
+        kwargs = super().structured_outputs_kwargs()
+        kind = None if self.response_format is None else self.response_format.type
+        if kind in ("json_object", "json_schema"):
+            kwargs = kwargs or {}
+            given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if kwargs.get(name)]
+            if given:
+                raise ValueError(f"response_format and structured_outputs.{given[0]} both constrain the output: "
+                                 f"give one")
+            if kind == "json_object":
+                kwargs["json_object"] = True
+            else:
+                kwargs["json"] = self.response_format.json_schema.schema_
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> int | None:

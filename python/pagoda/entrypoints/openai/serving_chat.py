@@ -44,7 +44,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_max_tokens(state, len(prompt_ids), request.requested_max_tokens, param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(state, dict(request.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs))
+    params = await sampling_params(state, request, max_tokens=max_tokens, logprobs=logprobs)
     prompts = [{"prompt_token_ids": prompt_ids}]
     admit(state, request.priority)
     request_id, created = new_id("chatcmpl"), now()

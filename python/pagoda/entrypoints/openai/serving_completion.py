@@ -26,8 +26,7 @@ async def create_completion(state: ServerState, request: CompletionRequest) -> R
         prompts.append({"prompt": p if isinstance(p, str) else None, "prompt_token_ids": check_token_ids(state, ids)})
     max_tokens = [fit_max_tokens(state, len(p["prompt_token_ids"]), request.max_tokens, "max_tokens") for p in prompts]
     # One SamplingParams serves all prompts: max_tokens fits the longest.
-    params = sampling_params(state, dict(request.sampling_kwargs(), max_tokens=min(max_tokens),
-                                         logprobs=request.logprobs))
+    params = await sampling_params(state, request, max_tokens=min(max_tokens), logprobs=request.logprobs)
     echo = [(p["prompt"] if p["prompt"] is not None else tokenizer.decode(p["prompt_token_ids"])) if request.echo
             else "" for p in prompts]
     admit(state, request.priority)

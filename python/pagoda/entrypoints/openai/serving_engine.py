@@ -6,6 +6,7 @@ timings, and the streamed chunks (server-sent events) with their send bound."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,13 +17,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind, RequestStream
+from pagoda.engine import structured_output
 from pagoda.engine.processor import ids_outside_vocab
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.prometheus import PrometheusStatLogger
-from pagoda.sampling_params import DEFAULTS, SamplingParams
+from pagoda.sampling_params import DEFAULTS, SamplingParams, StructuredOutputsParams
 
 logger = init_logger("pagoda.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells clients to wait
@@ -108,17 +110,24 @@ def admit(state: ServerState, priority: int) -> None:
                        f"retry later", status=503, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def sampling_params(state: ServerState, kwargs: dict[str, Any]) -> SamplingParams:
-    """The request's SamplingParams, checked against the model's vocabulary
-    too: every bad value is a 400 before a stream starts, never an error
-    event after its 200."""
+async def sampling_params(state: ServerState, request: Any, **kwargs) -> SamplingParams:
+    """The request's SamplingParams (its sampling fields, updated by
+    kwargs), checked against the model's vocabulary, and its structured
+    output's spec against xgrammar (on a tokenizer thread: a large schema
+    takes a while): every bad value is a 400 before a stream starts, never
+    an error event after its 200."""
     try:
+        kwargs = dict(request.sampling_kwargs(), **kwargs)
+        if kwargs.get("structured_outputs") is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         params = SamplingParams(**kwargs)
         params.verify_vocab(state.engine.vocab_size)
+        if params.structured_outputs is not None:
+            await state.tokenizers.run(structured_output.check, params.structured_outputs)
         return params
     except ValueError as exc:  # the message starts with the field's name
         message = str(exc)
-        field = message.split(" ", 1)[0]
+        field = re.split(r"[ .:]", message, 1)[0]
         raise APIError(message, param=field if field in DEFAULTS else None) from None
 
 

@@ -3,7 +3,8 @@ token this step) -> one token id per row, plus logprobs where asked for.
 
 Order of processing (vLLM v1's):
   raw logprobs (log_softmax of the logits as the model gave them)
-  -> logit_bias, min_tokens (EOS/stop ids masked), penalties
+  -> the grammar's bitmask (structured outputs) -> logit_bias, min_tokens
+     (EOS/stop ids masked), penalties
   -> greedy rows: argmax here
   -> temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
 
@@ -73,6 +74,11 @@ class SamplingMetadata:
     min_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> token ids to mask (still below min_tokens)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: bias}
     num_logprobs: list[int | None] | None = None  # per row; None when no row asks
+    # Structured outputs: [N, ceil(V / 32)] int32 on the logits' device, bit j
+    # of row i set where row i may pick token j (xgrammar's packing), for the
+    # rows in grammar_rows (the others are not read).
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] = field(default_factory=list)
 
     @property
     def uses_penalties(self) -> bool:
@@ -189,6 +195,7 @@ class Sampler(nn.Module):
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         # A private float32 copy: the steps below work in place.
         logits = logits.to(torch.float32, copy=True)
+        apply_grammar_bitmask(logits, md)
         apply_logit_bias(logits, md.logit_bias)
         apply_min_tokens(logits, md.min_tokens)
         apply_penalties(logits, md)
@@ -258,6 +265,16 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Tokens a row's grammar forbids get -inf (xgrammar's kernel: CPU or
+    CUDA, in place, no host sync)."""
+    if md.grammar_bitmask is None:
+        return
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, md.grammar_bitmask, indices=md.grammar_rows)
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
