@@ -3,11 +3,8 @@ each a Worker on its own device, joined by torch.distributed (NCCL on GPUs,
 gloo on the CPU) for the model's collectives.
 
 Each step the scheduler output is pickled once and written to every rank's
-pipe; every rank runs the step, and rank 0 alone sends its ModelRunnerOutput
-back (the ranks' samples agree: same logits after the all-gather, same
-generators). A rank sends a step's result after it has queued the next step
-(or when asked to flush), so with async scheduling the device always has the
-next step before the host reads the last one.
+pipe; the ranks follow the step protocol of pagoda.executor.ranks (rank 0
+sends each result back once the next step is queued, or when asked to flush).
 
 A rank that raises sends its error and exits; one that dies is seen through
 its process sentinel. Either way the step in wait raises WorkerDiedError:
@@ -19,17 +16,13 @@ them (a watch on the parent), or when their pipe closes.
 from __future__ import annotations
 
 import atexit
-import collections
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import signal
-import socket
 import time
 
-from pagoda.core.scheduler import SchedulerOutput
-from pagoda.executor.abstract import Executor, StepFuture
+from pagoda.executor.ranks import RankedExecutor, RankSteps, WorkerDiedError, free_port, start_worker
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.outputs import ModelRunnerOutput
 from pagoda.process_watch import exit_with_parent, raise_startup_error
@@ -39,28 +32,7 @@ logger = init_logger(__name__)
 SHUTDOWN_TIMEOUT_S = 5.0  # a rank that has not exited by then is killed
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process raised or exited: the engine cannot step any more."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Future:
-    def __init__(self, executor: MultiprocExecutor):
-        self.executor = executor
-        self.output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        while self.output is None:
-            self.executor.receive(self)
-        return self.output
-
-
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         world_size = self.parallel_config.world_size
@@ -68,8 +40,6 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []
-        self._pending: collections.deque[_Future] = collections.deque()  # sent, result not read, in order
-        self._flushed = False  # the newest step was asked for its result
         self._started = False  # startup errors are the caller's to raise (bad flags, files)
         started = time.perf_counter()
         try:
@@ -133,7 +103,7 @@ class MultiprocExecutor(Executor):
         process.join()
         raise WorkerDiedError(f"worker rank {rank} (pid {process.pid}) exited with status {process.exitcode}")
 
-    def _broadcast(self, message: tuple) -> None:
+    def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes):
             try:
@@ -141,21 +111,8 @@ class MultiprocExecutor(Executor):
             except OSError:
                 self._raise_dead(rank)
 
-    def execute_model(self, scheduled: SchedulerOutput) -> StepFuture:
-        self._broadcast(("execute", scheduled))
-        future = _Future(self)
-        self._pending.append(future)
-        self._flushed = False
-        return future
-
-    def receive(self, future: _Future) -> None:
-        """Reads rank 0's next result (for the oldest pending step); asks
-        for it first when it is the newest step's, which no later step
-        will bring."""
-        if future is self._pending[-1] and not self._flushed:
-            self._broadcast(("flush",))
-            self._flushed = True
-        self._pending.popleft().output = self._wait(0)[1]
+    def _next_output(self) -> ModelRunnerOutput:
+        return self._wait(0)[1]
 
     def shutdown(self) -> None:
         for pipe in self.pipes:
@@ -188,19 +145,13 @@ def run_worker(rank: int, world_size: int, init_method: str, model_config, cache
         pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        worker = _start_worker(rank, world_size, init_method, model_config, cache_config, scheduler_config,
-                               eos_token_ids)
+        worker = start_worker(rank, world_size, init_method, model_config, cache_config, scheduler_config,
+                              eos_token_ids, device_index=rank)
     except BaseException as exc:  # noqa: BLE001 -- reported to the engine, which raises it
         send(("error", type(exc).__name__, str(exc)))
         raise SystemExit(1) from None
     send(("ready", worker.num_blocks))
-    pending = None  # the step queued last, its result not sent yet
-
-    def reply(handle) -> None:
-        output = handle.result()
-        if rank == 0:
-            send(("output", output))
-
+    steps = RankSteps(rank, worker)
     try:
         while True:
             try:
@@ -208,16 +159,13 @@ def run_worker(rank: int, world_size: int, init_method: str, model_config, cache
             except EOFError:
                 break
             if message[0] == "execute":
-                handle = worker.execute_model(message[1])
-                if pending is not None:
-                    reply(pending)
-                pending = handle
+                output = steps.execute(message[1])
             elif message[0] == "flush":
-                if pending is not None:
-                    reply(pending)
-                pending = None
+                output = steps.flush()
             else:  # shutdown
                 break
+            if output is not None:
+                send(("output", output))
     except BaseException as exc:  # noqa: BLE001 -- the engine fails with it
         logger.exception("worker rank %d failed", rank)
         try:
@@ -229,23 +177,3 @@ def run_worker(rank: int, world_size: int, init_method: str, model_config, cache
         from pagoda.distributed.parallel_state import destroy_model_parallel
 
         destroy_model_parallel()
-
-
-def _start_worker(rank: int, world_size: int, init_method: str, model_config, cache_config, scheduler_config,
-                  eos_token_ids: list[int]):
-    import torch
-
-    from pagoda.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from pagoda.worker.worker import Worker
-
-    if model_config.device.type == "cuda":
-        torch.cuda.set_device(rank)
-        model_config.device = torch.device("cuda", rank)
-    else:  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if world_size > 1:
-        backend = "nccl" if model_config.device.type == "cuda" else "gloo"
-        init_distributed_environment(world_size, rank, init_method, backend)
-        initialize_model_parallel(world_size)
-    logger.info("worker rank %d of %d on %s (pid %d)", rank, world_size, model_config.device, os.getpid())
-    return Worker(model_config, cache_config, scheduler_config, eos_token_ids)
