@@ -4,6 +4,7 @@ field, before anything is allocated."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,14 +244,17 @@ class SchedulerConfig:
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# Ray is optional (the ray executor only); requirements.txt pins the same version.
+RAY_REQUIREMENT = "ray==2.60.0"
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # Where the workers run: "uni" (in the engine's process; one rank only) or
-    # "mp" (a process per rank, one machine). None: uni for one rank, mp for more.
+    # Where the workers run: "uni" (in the engine's process; one rank only), "mp"
+    # (a process per rank, one machine) or "ray" (a Ray actor per rank, on the
+    # nodes of a Ray cluster). None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
 
     def __post_init__(self):
@@ -259,12 +263,12 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if size == 1 else "mp"
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' (several machines) is not built yet; "
-                             "'mp' runs the ranks of one machine")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(f"distributed_executor_backend='ray' needs Ray, which is not installed: "
+                             f"pip install {RAY_REQUIREMENT} ('mp' runs the ranks of one machine without it)")
         if self.distributed_executor_backend == "uni" and size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={size} "
                              "needs 'mp' or 'ray'")

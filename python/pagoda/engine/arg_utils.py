@@ -30,7 +30,7 @@ class EngineArgs:
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "uni" or "mp"; None: uni for one rank, else mp
+    distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; None: uni for one rank, else mp
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"

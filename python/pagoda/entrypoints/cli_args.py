@@ -93,8 +93,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--tensor-parallel-size", "-tp", type=positive_int,
          help="ranks the model is split over (torch.distributed: NCCL on GPUs, gloo on the CPU)")
     flag("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
-         help="uni: the worker in the engine's process; mp: a process per rank "
-              "(default: uni for one rank, mp for more)")
+         help="uni: the worker in the engine's process; mp: a process per rank; ray: a Ray actor "
+              "per rank, on the nodes of a Ray cluster (pip install ray) (default: uni for one rank, mp for more)")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     flag("--scheduling-policy", choices=SCHEDULING_POLICIES,
          help="fcfs: arrival order; priority: lowest request priority value first, ties by arrival")

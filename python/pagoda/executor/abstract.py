@@ -42,6 +42,10 @@ def get_executor_class(parallel_config: ParallelConfig) -> type[Executor]:
         from pagoda.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor
+    if backend == "ray":
+        from pagoda.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     from pagoda.executor.multiproc_executor import MultiprocExecutor
 
     return MultiprocExecutor
