@@ -201,3 +201,24 @@ def test_an_engine_core_process_compiles_with_its_own_tokenizer(folder):
         engine.shutdown()
     for completion in output.outputs:
         assert_follows("json", completion)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_sampler_masks_the_constrained_rows_only(temperature):
+    import torch
+
+    from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata
+
+    logits = torch.randn(3, 100)
+    logits[:, 7] = 100.0  # every row's favourite
+    allowed = {0: [3, 50], 2: [99]}
+    bitmask = torch.full((3, 4), -1, dtype=torch.int32)  # xgrammar's packing: bit t % 32 of word t // 32
+    for row, ids in allowed.items():
+        bitmask[row] = 0
+        for t in ids:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+    md = SamplingMetadata.from_requests([SamplingParams(temperature=temperature)] * 3, [[]] * 3)
+    md.grammar_bitmask, md.grammar_rows = bitmask, list(allowed)
+    for _ in range(5):
+        sampled = Sampler()(logits, md).sampled_token_ids
+        assert sampled[0] in allowed[0] and sampled[1] == 7 and sampled[2] == 99, sampled

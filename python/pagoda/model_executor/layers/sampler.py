@@ -268,13 +268,16 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Tokens a row's grammar forbids get -inf (xgrammar's kernel: CPU or
-    CUDA, in place, no host sync)."""
+    """Tokens a row's grammar forbids get -inf (xgrammar's kernel: C++ on
+    the CPU, Triton on CUDA; in place)."""
     if md.grammar_bitmask is None:
         return
     import xgrammar
 
-    xgrammar.apply_token_bitmask_inplace(logits, md.grammar_bitmask, indices=md.grammar_rows)
+    rows = md.grammar_rows
+    if logits.is_cuda:  # xgrammar would copy a list from pageable memory: a wait for the queued work
+        rows = to_device(rows, torch.int32, logits.device)
+    xgrammar.apply_token_bitmask_inplace(logits, md.grammar_bitmask, indices=rows)
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
