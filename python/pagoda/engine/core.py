@@ -37,7 +37,8 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.core_messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest, SchedulerStats
 from pagoda.engine.structured_output import StructuredOutputManager
-from pagoda.executor.abstract import StepFuture, get_executor_class
+from pagoda.executor import get_executor_class
+from pagoda.executor.abstract import StepFuture
 from pagoda.logger import init_logger
 from pagoda.outputs import TokenLogprobs
 

@@ -34,18 +34,3 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stops the workers; no process is left behind. Idempotent."""
-
-
-def get_executor_class(parallel_config: ParallelConfig) -> type[Executor]:
-    backend = parallel_config.distributed_executor_backend
-    if backend == "uni":
-        from pagoda.executor.uniproc_executor import UniProcExecutor
-
-        return UniProcExecutor
-    if backend == "ray":
-        from pagoda.executor.ray_executor import RayExecutor
-
-        return RayExecutor
-    from pagoda.executor.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor
