@@ -2,7 +2,10 @@
 throughput of LLM.generate with every request submitted at once, EOS ignored
 so each request generates exactly its expected output length. With
 --hf-baseline, transformers' generate runs the same requests on the same
-device and dtype in the same command, and the ratio is printed."""
+device and dtype in the same command, and the ratio is printed. With
+--structured-output json every request's output follows STRUCTURED_SCHEMA
+(the engine needs a tokenizer: --tokenizer with --model-shape): the cost of
+the grammar's bitmask per step beside the same run without it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,14 @@ from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleReques
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
 
+# An array of records without end: a request stays inside it (strings, digits,
+# keys: the matcher's usual work) until max_tokens, so the token counts match
+# the free run's, more or less (a run may close the array and stop early).
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+    "required": ["id", "name", "tags"]}}}, "required": ["records"]}
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_shapes=True)
@@ -24,6 +35,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-baseline", action="store_true",
                         help="also run transformers' generate on the same requests")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16)
+    parser.add_argument("--structured-output", choices=["json"], default=None,
+                        help="every request's output follows a JSON schema (xgrammar; needs a tokenizer)")
     parser.add_argument("--output-json", default=None, help="write the results here")
     parser.add_argument("--disable-tqdm", action="store_true")
 
@@ -38,20 +51,24 @@ def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_toke
     )
 
 
-def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True) -> tuple[dict, list[list[int]]]:
+def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
+               structured: bool = False) -> tuple[dict, list[list[int]]]:
     """Times LLM.generate on `requests` after a run of `warmup` (requests of
-    other tokens: the timed ones must not find themselves in the prefix cache);
-    returns the figures and the prompts' ids as the engine took them."""
-    from pagoda.sampling_params import SamplingParams
+    other tokens: the timed ones must not find themselves in the prefix cache;
+    with `structured`, their grammar compiles there); returns the figures and
+    the prompts' ids as the engine took them."""
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
+    constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured else None
     # Explicit top_k/top_p: a model's generation_config must not make Pagoda
     # sample differently from the baseline.
     params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, ignore_eos=True,
-                             max_tokens=r.expected_output_len) for r in requests]
+                             max_tokens=r.expected_output_len, structured_outputs=constraint) for r in requests]
     # Text prompts are tokenized by the engine, inside the timed run (as vLLM's benchmark does).
     prompts = [{"prompt_token_ids": r.prompt_token_ids} if r.prompt is None else r.prompt for r in requests]
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
-                 [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True) for r in warmup], use_tqdm=False)
+                 [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True, structured_outputs=constraint)
+                  for r in warmup], use_tqdm=False)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - started
@@ -77,7 +94,8 @@ def main(args: argparse.Namespace) -> dict:
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
     temperature = 0.0 if args.greedy else 1.0
-    figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm)
+    figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
+                                  structured=args.structured_output is not None)
     results = dict(pagoda=figures)
     # The baseline gets the same tokens (text prompts: as the engine encoded them).
     requests = [SampleRequest(ids, r.expected_output_len) for ids, r in zip(prompts, requests)]
