@@ -20,6 +20,8 @@ struct KernelTable {
   decltype(&avx2::reshape_and_cache) reshape_and_cache;
   decltype(&avx2::paged_attention) paged_attention;
   decltype(&avx2::linear) linear;
+  decltype(&avx2::gguf_linear) gguf_linear;
+  decltype(&avx2::gguf_embedding) gguf_embedding;
 };
 
 // The selected kernels; selects from PAGODA_CPU_ISA on first use and throws

@@ -192,6 +192,23 @@ inline RotaryArgs check_rotary_embedding(const at::Tensor& positions, const at::
 }
 
 
+// A linear layer's out: input's shape with the last dimension N.
+inline Rows check_linear_out(const at::Tensor& out, const at::Tensor& input, int64_t N) {
+  TORCH_CHECK_VALUE(out.dim() == input.dim() && out.sizes().slice(0, out.dim() - 1) == input.sizes().slice(0, input.dim() - 1) &&
+                        out.size(-1) == N,
+                    "out must have shape ", input.sizes().slice(0, input.dim() - 1), " + [", N, "], got ", out.sizes());
+  return as_rows(out, "out");
+}
+
+// A linear layer's optional bias: [N], input's dtype and device; null if none.
+inline const void* check_linear_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& input, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  check_float_op(*bias, "bias", input, "input");
+  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                    "bias must be a contiguous 1-D tensor of out_features = ", N, " elements, got shape ", bias->sizes());
+  return bias->data_ptr();
+}
+
 struct LinearArgs {
   Rows out, input;  // M rows of N / K elements
   const void* weight;  // [N, K] contiguous
@@ -213,19 +230,57 @@ inline LinearArgs check_linear(const at::Tensor& out, const at::Tensor& input, c
   Rows in_rows = as_rows(input, "input");
   TORCH_CHECK_VALUE(in_rows.width == K, "input's last dimension (", in_rows.width, ") must equal weight's in_features (",
                     K, "); input ", input.sizes(), ", weight ", weight.sizes());
-  TORCH_CHECK_VALUE(out.dim() == input.dim() && out.sizes().slice(0, out.dim() - 1) == input.sizes().slice(0, input.dim() - 1) &&
-                        out.size(-1) == N,
-                    "out must have shape ", input.sizes().slice(0, input.dim() - 1), " + [", N, "], got ", out.sizes());
-  Rows out_rows = as_rows(out, "out");
-  const void* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    check_float_op(*bias, "bias", input, "input");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
-                      "bias must be a contiguous 1-D tensor of out_features = ", N, " elements, got shape ",
-                      bias->sizes());
-    bias_ptr = bias->data_ptr();
+  return LinearArgs{check_linear_out(out, input, N), in_rows, weight.data_ptr(), check_linear_bias(bias, input, N),
+                    in_rows.count, N, K, dtype};
+}
+
+// GGUF-packed weights (CPU only): uint8 [N, K / 32 * block bytes] in GGUF's
+// block layout, weight_type one of GGML's type ids Q4_0 (2), Q4_1 (3), Q8_0 (8).
+constexpr int64_t kGgufBlock = 32;
+
+inline int64_t gguf_block_bytes(int64_t weight_type) {
+  switch (weight_type) {
+    case 2: return 18;  // Q4_0
+    case 3: return 20;  // Q4_1
+    case 8: return 34;  // Q8_0
+    default:
+      TORCH_CHECK_VALUE(false, "weight_type ", weight_type,
+                        " is not a GGUF block format with a kernel here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
   }
-  return LinearArgs{out_rows, in_rows, weight.data_ptr(), bias_ptr, in_rows.count, N, K, dtype};
+}
+
+// The logical in_features K of a packed weight, from its row bytes.
+inline void check_gguf_weight(const at::Tensor& weight, int64_t weight_type, int64_t K) {
+  const int64_t block_bytes = gguf_block_bytes(weight_type);
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "weight must be uint8 (GGUF blocks), got ", weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(),
+                    "weight must be a contiguous 2-D [out_features, row bytes] tensor, got shape ", weight.sizes(),
+                    " strides ", weight.strides());
+  TORCH_CHECK_VALUE(K % kGgufBlock == 0, "in_features (", K, ") must be a multiple of GGUF's block size ", kGgufBlock);
+  TORCH_CHECK_VALUE(weight.size(1) == K / kGgufBlock * block_bytes, "weight rows hold ", weight.size(1),
+                    " bytes but in_features ", K, " needs ", K / kGgufBlock, " blocks of ", block_bytes, " bytes");
+}
+
+struct GgufLinearArgs {
+  Rows out, input;
+  const void* weight;
+  const float* bias;
+  int64_t M, N, K;
+};
+
+// out[..., N] = input[..., K] @ dequantize(weight)^T (+ bias); fp32 input,
+// out and bias.
+inline GgufLinearArgs check_gguf_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                        int64_t weight_type, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(input.scalar_type() == at::kFloat, "input must be float32, got ", input.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
+  check_same_device(weight, "weight", input, "input");
+  check_same_device(out, "out", input, "input");
+  Rows in_rows = as_rows(input, "input");
+  check_gguf_weight(weight, weight_type, in_rows.width);
+  const int64_t N = weight.size(0), K = in_rows.width;
+  return GgufLinearArgs{check_linear_out(out, input, N), in_rows, weight.data_ptr(),
+                        static_cast<const float*>(check_linear_bias(bias, input, N)), in_rows.count, N, K};
 }
 
 // A [num_tokens, heads, head_size] tensor whose heads are contiguous within a

@@ -92,6 +92,35 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
                        a.dtype);
 }
 
+void gguf_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t weight_type,
+                     const c10::optional<at::Tensor>& bias) {
+  check_cpu(input, "input");
+  GgufLinearArgs a = check_gguf_linear(out, input, weight, weight_type, bias);
+  cpu_kernels().gguf_linear(static_cast<float*>(a.out.data), a.out.stride, static_cast<const float*>(a.input.data),
+                            a.input.stride, a.weight, static_cast<cpu::GgufType>(weight_type), a.bias, a.M, a.N,
+                            a.K);
+}
+
+void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor& weight, int64_t weight_type) {
+  check_cpu(ids, "ids");
+  TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, "ids must be int64, got ", ids.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
+  check_same_device(weight, "weight", ids, "ids");
+  check_same_device(out, "out", ids, "ids");
+  TORCH_CHECK_VALUE(ids.is_contiguous(), "ids must be contiguous");
+  TORCH_CHECK_VALUE(out.dim() == ids.dim() + 1 && out.sizes().slice(0, ids.dim()) == ids.sizes(),
+                    "out must have shape ids.shape + [embedding_dim], got ", out.sizes(), " for ids ", ids.sizes());
+  Rows out_rows = as_rows(out, "out");
+  check_gguf_weight(weight, weight_type, out_rows.width);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < weight.size(0), "ids[", i, "] = ", id[i], " is outside the table's [0, ",
+                      weight.size(0), ")");
+  }
+  cpu_kernels().gguf_embedding(static_cast<float*>(out_rows.data), out_rows.stride, id, ids.numel(), weight.data_ptr(),
+                               static_cast<cpu::GgufType>(weight_type), out_rows.width);
+}
+
 // Sampling runs on the GPU only (cuda/sampling.cu); on the CPU, Sampler uses
 // torch ops. Registered so that a CPU call says so instead of listing backends.
 void sample_cpu(at::Tensor&, const at::Tensor& logits, const at::Tensor&, const c10::optional<at::Tensor>&,
@@ -118,6 +147,8 @@ TORCH_LIBRARY(pagoda, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
+  m.def("gguf_linear(Tensor(a!) out, Tensor input, Tensor weight, int weight_type, Tensor? bias) -> ()");
+  m.def("gguf_embedding(Tensor(a!) out, Tensor ids, Tensor weight, int weight_type) -> ()");
   m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets) -> ()");
@@ -131,5 +162,7 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cpu);
   m.impl("paged_attention", &pagoda::paged_attention_cpu);
   m.impl("linear", &pagoda::linear_cpu);
+  m.impl("gguf_linear", &pagoda::gguf_linear_cpu);
+  m.impl("gguf_embedding", &pagoda::gguf_embedding_cpu);
   m.impl("sample", &pagoda::sample_cpu);
 }

@@ -12,12 +12,14 @@ CPU_KERNEL_SRCS = [
     "cc/cpu/activation.cc",
     "cc/cpu/attention.cc",
     "cc/cpu/cache.cc",
+    "cc/cpu/gguf.cc",
     "cc/cpu/linear.cc",
     "cc/cpu/norm.cc",
     "cc/cpu/rotary.cc",
 ]
 
 CPU_KERNEL_HDRS = [
+    "cc/cpu/gguf_dot.inc",
     "cc/cpu/kernels.h",
     "cc/cpu/vec.h",
 ]

@@ -68,10 +68,26 @@
      once. */                                                                    \
   void linear(void* out, int64_t out_stride, const void* input,                  \
               int64_t input_stride, const void* weight, const void* bias,        \
-              int64_t M, int64_t N, int64_t K, DType dtype);
+              int64_t M, int64_t N, int64_t K, DType dtype);              \
+  /* out[m] = W @ input[m] (+ bias) for fp32 input rows of K elements, W     \
+     [N, K] in GGUF block layout `type` (N rows of K / 32 blocks, K a        \
+     multiple of 32), bias [N] fp32 or null; the input is quantized to int8  \
+     per 32-element block first (see cc/cpu/gguf.cc). */                     \
+  void gguf_linear(float* out, int64_t out_stride, const float* input,      \
+                   int64_t input_stride, const void* weight, GgufType type,  \
+                   const float* bias, int64_t M, int64_t N, int64_t K);      \
+  /* out[i] = row ids[i] of W (as above) dequantized to fp32; ids must be    \
+     valid rows (the caller checks). */                                      \
+  void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids,   \
+                      int64_t num_ids, const void* weight, GgufType type,    \
+                      int64_t K);
 
 namespace pagoda {
 namespace cpu {
+
+// GGUF's quantized block formats, numbered as GGML's type ids.
+enum class GgufType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
 namespace avx2 {
 PAGODA_CPU_KERNEL_DECLS
 }  // namespace avx2

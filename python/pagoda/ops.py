@@ -26,6 +26,8 @@ for _name in (
     "reshape_and_cache",
     "paged_attention",
     "linear",
+    "gguf_linear",
+    "gguf_embedding",
     "sample",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
@@ -122,6 +124,38 @@ def linear(
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.pagoda.linear(out, x, weight, bias)
+    return out
+
+
+# GGUF block formats with CPU kernels: GGML's type id -> bytes per block of
+# GGUF_BLOCK weights (an fp16 scale, Q4_1 also an fp16 minimum, then the quants).
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_type: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ W.T (+ bias) for fp32 x [..., K] and W [N, K] kept packed in GGUF's
+    block layout: weight is uint8 [N, K / 32 * GGUF_BLOCK_BYTES[weight_type]]
+    (K must be a multiple of 32, as GGUF requires of every quantized row).
+    The CPU kernel quantizes x to int8 per 32-element block (scale max|x| /
+    127) and sums integer block products; gguf_linear_reference is exact."""
+    if out is None:
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
+    torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias)
+    return out
+
+
+def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, weight_type: int, embedding_dim: int) -> torch.Tensor:
+    """Rows ids of a GGUF-packed table (as in gguf_linear), dequantized to fp32:
+    [*ids.shape, embedding_dim]; only the looked-up rows are decoded."""
+    out = torch.empty(*ids.shape, embedding_dim, dtype=torch.float32, device=ids.device)
+    torch.ops.pagoda.gguf_embedding(out, ids.contiguous(), weight, weight_type)
     return out
 
 
@@ -270,6 +304,50 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias in fp64, rounded once to x's dtype."""
     b = None if bias is None else bias.double()
     return torch.nn.functional.linear(x.double(), weight.double(), b).to(x.dtype)
+
+
+def gguf_dequantize_reference(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+    """fp32 [N, K] from GGUF blocks uint8 [N, row bytes] (layout: see
+    cc/cpu/gguf.cc): Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m, with 4-bit
+    quant j of a block in the low nibble of byte j (j < 16) or the high
+    nibble of byte j - 16."""
+    blocks = weight.reshape(weight.shape[0], -1, GGUF_BLOCK_BYTES[weight_type])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if weight_type == 8:
+        values = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = blocks[..., 4:] if weight_type == 3 else blocks[..., 2:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        if weight_type == 3:
+            values = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            values = d * (q - 8)
+    return values.reshape(weight.shape[0], -1)
+
+
+def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, last dim a multiple of 32) as gguf_linear's kernel sees it:
+    each 32-block rounded to d * round(x * (127 / max|x|)), d = max|x| / 127,
+    in fp32 as the kernel computes it (ties to even)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GGUF_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0)
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
+
+
+def gguf_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_type: int,
+    bias: torch.Tensor | None = None,
+    quantize_input: bool = False,
+) -> torch.Tensor:
+    """x @ dequantize(W).T + bias in fp64, as fp32; quantize_input=True first
+    rounds x as the kernel does (gguf_quantize_input_reference), so that only
+    the order of fp32 sums differs from the kernel."""
+    if quantize_input:
+        x = gguf_quantize_input_reference(x)
+    return linear_reference(x.double(), gguf_dequantize_reference(weight, weight_type), bias).float()
 
 
 _WORD = 0xFFFFFFFF

@@ -1,0 +1,143 @@
+"""gguf_linear and gguf_embedding (GGUF-packed Q4_0, Q4_1, Q8_0 weights)
+against the pure-torch dequantize-then-multiply references.
+
+Tolerance: the kernel rounds each 32-element block of x to int8 with step
+d = max|x_block| / 127, so every element moves by at most d / 2, and an
+output moves by at most sum over blocks of d_b / 2 * sum_j |w_j|. The tests check that bound per output element, plus fp32 rounding of the
+block sums (1e-5 of sum |x| |w|). The bound is the worst case; typical errors
+are about sqrt(32) times smaller, since the rounding errors have random signs.
+Against the reference fed the same int8-rounded x, only fp32 summation order
+differs: within 1e-5 of sum |x| |w|.
+"""
+
+import pytest
+import torch
+
+from pagoda import ops
+
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
+    """Every quant pattern (Q8_0 includes -128, which GGUF's quantizer never
+    writes), positive and negative fp16 scales and minimums."""
+    nb = k // ops.GGUF_BLOCK
+    blocks = torch.randint(0, 256, (n, nb, ops.GGUF_BLOCK_BYTES[weight_type]), dtype=torch.uint8)
+    scales = 2 if weight_type == 3 else 1
+    halves = (torch.randn(n, nb, scales) * 0.02).to(torch.float16)
+    blocks[..., : 2 * scales] = halves.view(torch.uint8).reshape(n, nb, 2 * scales)
+    return blocks.reshape(n, -1)
+
+
+def error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1]).double()
+    w = ops.gguf_dequantize_reference(weight, weight_type).double()
+    rows, k = w.shape
+    w = w.reshape(rows, -1, ops.GGUF_BLOCK)
+    step = x.reshape(x.shape[0], -1, ops.GGUF_BLOCK).abs().amax(-1) / 127  # [M, nb]
+    quantization = torch.einsum("mb,nb->mn", step / 2, w.abs().sum(-1))
+    rounding = 1e-5 * x.abs() @ w.reshape(rows, k).abs().T
+    return quantization + rounding + 1e-6
+
+
+def check(out, x, weight, weight_type, bias=None):
+    want = ops.gguf_linear_reference(x, weight, weight_type, bias)
+    assert out.shape == want.shape and out.dtype == torch.float32
+    error = (out.double() - want.double()).reshape(-1, weight.shape[0]).abs()
+    bound = error_bound(x, weight, weight_type)
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst error / bound {(error / bound).max():.3g}"
+    same_input = ops.gguf_linear_reference(x, weight, weight_type, bias, quantize_input=True)
+    w = ops.gguf_dequantize_reference(weight, weight_type).double()
+    summation = 1e-5 * x.reshape(-1, x.shape[-1]).double().abs() @ w.abs().T + 1e-6
+    error = (out.double() - same_input.double()).reshape(-1, weight.shape[0]).abs()
+    assert (error <= summation).all(), f"against the int8-rounded input: max error {error.max():.3g}"
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, 65])
+@pytest.mark.parametrize("k,n", [(32, 1), (64, 3), (96, 5), (576, 577), (1536, 64)])
+def test_gguf_linear(name, m, k, n):
+    weight_type = TYPES[name]
+    weight = random_blocks(n, k, weight_type)
+    x = torch.randn(m, k)
+    check(ops.gguf_linear(x, weight, weight_type), x, weight, weight_type)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_linear_many_rows_and_bias(name):
+    """A vocabulary-sized output (the LM head of a tied GGUF model)."""
+    weight_type = TYPES[name]
+    weight = random_blocks(9001, 64, weight_type)
+    x, bias = torch.randn(3, 64), torch.randn(9001)
+    check(ops.gguf_linear(x, weight, weight_type, bias), x, weight, weight_type, bias)
+
+
+def test_gguf_linear_outliers_and_zeros():
+    """A block of zeros (scale 0) and a block with one large element."""
+    weight = random_blocks(7, 96, 3)
+    x = torch.randn(2, 96)
+    x[0, :32] = 0
+    x[1, 40] = 1e4
+    check(ops.gguf_linear(x, weight, 3), x, weight, 3)
+
+
+def test_gguf_linear_strided_and_leading_dims():
+    weight = random_blocks(10, 64, 8)
+    x = torch.randn(6, 70)[:, 3:67]
+    buffer = torch.zeros(6, 15)
+    ops.gguf_linear(x, weight, 8, out=buffer[:, 2:12])
+    check(buffer[:, 2:12], x, weight, 8)
+    assert (buffer[:, :2] == 0).all() and (buffer[:, 12:] == 0).all()
+    x3 = torch.randn(2, 3, 64)
+    out = ops.gguf_linear(x3, weight, 8)
+    assert out.shape == (2, 3, 10)
+    check(out, x3, weight, 8)
+
+
+def test_gguf_linear_empty():
+    assert ops.gguf_linear(torch.randn(0, 64), random_blocks(4, 64, 2), 2).shape == (0, 4)
+
+
+def test_gguf_linear_errors():
+    weight = random_blocks(5, 64, 3)
+    with pytest.raises(ValueError, match="multiple of GGUF's block size 32"):
+        ops.gguf_linear(torch.randn(2, 48), weight[:, :30].contiguous(), 3)
+    with pytest.raises(ValueError, match="weight rows hold 40 bytes but in_features 96 needs 3 blocks of 20"):
+        ops.gguf_linear(torch.randn(2, 96), weight, 3)
+    with pytest.raises(ValueError, match="weight_type 12 is not a GGUF block format"):
+        ops.gguf_linear(torch.randn(2, 64), weight, 12)
+    with pytest.raises(TypeError, match="weight must be uint8"):
+        ops.gguf_linear(torch.randn(2, 64), weight.float(), 3)
+    with pytest.raises(TypeError, match="input must be float32"):
+        ops.gguf_linear(torch.randn(2, 64).bfloat16(), weight, 3)
+    with pytest.raises(ValueError, match="bias must be"):
+        ops.gguf_linear(torch.randn(2, 64), weight, 3, torch.randn(4))
+    with pytest.raises(ValueError, match="out must have shape"):
+        torch.ops.pagoda.gguf_linear(torch.empty(2, 4), torch.randn(2, 64), weight, 3, None)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_embedding(name):
+    weight_type = TYPES[name]
+    weight = random_blocks(300, 96, weight_type)
+    ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
+    out = ops.gguf_embedding(ids, weight, weight_type, 96)
+    assert out.shape == (2, 3, 96)
+    torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"ids\[1\] = 300 is outside the table's \[0, 300\)"):
+        ops.gguf_embedding(torch.tensor([1, 300]), weight, weight_type, 96)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_reference_matches_gguf_package(name):
+    """The reference's reading of the block layout is the gguf package's."""
+    gguf = pytest.importorskip("gguf")
+    weight = random_blocks(4, 64, TYPES[name])
+    want = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name])
+    torch.testing.assert_close(ops.gguf_dequantize_reference(weight, TYPES[name]), torch.from_numpy(want), rtol=0, atol=0)
+
+
+def test_gguf_opcheck():
+    weight = random_blocks(5, 64, 8)
+    torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None))
+    torch.library.opcheck(torch.ops.pagoda.gguf_embedding.default, (torch.empty(2, 64), torch.tensor([0, 4]), weight, 8))
