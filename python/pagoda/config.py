@@ -21,6 +21,7 @@ logger = init_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "gguf", "none")
 GiB = 1 << 30
 
 
@@ -89,6 +90,12 @@ class ModelConfig:
     device: str | torch.device = "auto"
     # vLLM's: no CUDA graphs (every step runs eagerly).
     enforce_eager: bool = False
+    # GGUF weights: "gguf" keeps Q4_0/Q4_1/Q8_0 matrices packed for the CPU's
+    # int8 kernels (GGUF model, CPU, float32), "none" dequantizes them to
+    # dtype. "auto" is none for now: the int8 activations change SmolLM2's
+    # first greedy token on 2 of 8 chat prompts against transformers in fp32
+    # (docs/BENCHMARKS.md). Resolved to "gguf" or None.
+    quantization: str | None = "auto"
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -107,6 +114,7 @@ class ModelConfig:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         self.device = resolve_device(self.device)
         self.torch_dtype = self._resolve_dtype()
+        self.quantization = self._resolve_quantization()
         # The model's own limit may be lowered to fit the KV cache; one the user set may not.
         self.max_model_len_is_default = self.max_model_len is None
         self.max_model_len = self._resolve_max_model_len()
@@ -145,6 +153,20 @@ class ModelConfig:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported (use float32, bfloat16 or float16)")
         return dtype
+
+    def _resolve_quantization(self) -> str | None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        packable = (
+            self.gguf_file is not None and self.load_format != "dummy" and self.device.type == "cpu"
+            and self.torch_dtype == torch.float32
+        )
+        if self.quantization == "gguf" and not packable:
+            raise ValueError(
+                "quantization='gguf' (packed GGUF weights) needs a GGUF model on the CPU in float32, got "
+                f"{'a GGUF' if self.gguf_file else 'a non-GGUF'} model on {self.device.type} in {self.torch_dtype}"
+            )
+        return "gguf" if self.quantization == "gguf" else None
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)

@@ -26,6 +26,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"  # "auto" (CUDA where usable, else CPU), "cpu", "cuda"
     load_format: str = "auto"
+    quantization: str = "auto"  # GGUF on the CPU: "gguf" (packed int8 kernels) or "none"/"auto" (dequantized)
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
@@ -47,6 +48,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=self.seed, load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             hf_overrides=self.hf_overrides, device=self.device, enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

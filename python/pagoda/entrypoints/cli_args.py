@@ -8,7 +8,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS, SCHEDULING_POLICIES
+from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
 ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
@@ -78,6 +78,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
          help='JSON object of config.json values to replace, e.g. \'{"num_hidden_layers": 2}\'')
     flag("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     flag("--load-format", choices=LOAD_FORMATS, help="dummy: seeded random weights (for benchmarks)")
+    flag("--quantization", choices=QUANTIZATIONS,
+         help="GGUF: gguf keeps Q4_0/Q4_1/Q8_0 weights packed for the CPU's int8 kernels (CPU, float32); "
+              "none and auto (the default) dequantize them to --dtype")
     flag("--device", help="auto, cpu or cuda")
     flag("--max-model-len", type=positive_int)
     flag("--block-size", type=positive_int)

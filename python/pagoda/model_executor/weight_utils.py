@@ -58,12 +58,48 @@ class LazyTensor:
         return tensor.to(self._dtype) if cast and tensor.is_floating_point() else tensor
 
 
+class PackedWeight:
+    """A GGUF matrix kept in its quantized block layout: data is uint8 [rows,
+    row bytes] (the file's bytes), weight_type GGML's type id, shape the
+    logical [rows, cols]. Rows narrow like a tensor's (whole blocks each);
+    columns only as a whole."""
+
+    def __init__(self, data: torch.Tensor, weight_type: int, shape: tuple[int, int]):
+        self.data, self.weight_type, self.shape = data, weight_type, torch.Size(shape)
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedWeight:
+        dim %= 2
+        if length == self.shape[dim]:
+            return self
+        if dim == 1:
+            raise ValueError("a GGUF-packed weight cannot be split by columns (tensor parallel row layers)")
+        return PackedWeight(self.data.narrow(0, start, length), self.weight_type, (length, self.shape[1]))
+
+
+def pack_parameter(param: nn.Parameter, packed: PackedWeight) -> None:
+    """Makes a [rows, cols] parameter hold GGUF blocks of packed's type
+    (uint8 [rows, packed row bytes]; param.gguf_type says which), so that
+    the layer's weight_loader copies rows of blocks into it and its forward
+    calls the packed kernels. Idempotent for the parts of a fused parameter."""
+    weight_type = getattr(param, "gguf_type", None)
+    if weight_type is None:
+        param.data = torch.empty(param.shape[0], packed.data.shape[1], dtype=torch.uint8, device=param.device)
+        param.gguf_type = packed.weight_type
+    elif weight_type != packed.weight_type:
+        raise ValueError(f"parts of one fused weight are packed in GGUF types {weight_type} and {packed.weight_type}")
+
+
 def check_shape(expected: tuple[int, ...], loaded_weight: torch.Tensor | LazyTensor) -> None:
     if tuple(expected) != tuple(loaded_weight.shape):
         raise ValueError(f"shape mismatch: parameter {tuple(expected)}, checkpoint {tuple(loaded_weight.shape)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | LazyTensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor | LazyTensor | PackedWeight) -> None:
+    if isinstance(loaded_weight, PackedWeight):  # param holds blocks (pack_parameter)
+        loaded_weight = loaded_weight.data
     check_shape(param.shape, loaded_weight)
     if isinstance(loaded_weight, LazyTensor):
         loaded_weight = loaded_weight.load(cast=False)
@@ -106,6 +142,8 @@ def load_named_weights(
             raise ValueError(f"unexpected weight {checkpoint_name!r} for {type(model).__name__}")
         param = params[name]
         try:
+            if isinstance(tensor, PackedWeight):
+                pack_parameter(param, tensor)
             if shard is None:
                 param.weight_loader(param, tensor)
             else:

@@ -94,6 +94,7 @@ class ModelRunner(abc.ABC):
             load_format=config.load_format,
             gguf_file=config.gguf_file,
             device=self.device,
+            quantization=config.quantization,
         )
 
     @abc.abstractmethod

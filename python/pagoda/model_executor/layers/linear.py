@@ -34,7 +34,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """x @ weight.T + bias. On the CPU, Pagoda's kernel where it measured
     faster than torch (tools/benchmarks/bench_cpu_linear.py): fp32 with 2 to 64
     rows -- decode batches -- and bf16/fp16 always; torch's elsewhere (a lone
-    fp32 row is memory-bound either way; prefill is a large GEMM)."""
+    fp32 row is memory-bound either way; prefill is a large GEMM). A weight
+    kept in GGUF blocks (gguf_type set by the loader) goes to the packed
+    kernel."""
+    gguf_type = getattr(weight, "gguf_type", None)
+    if gguf_type is not None:
+        return ops.gguf_linear(x, weight, gguf_type, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type == "cpu" and (x.dtype != torch.float32 or 2 <= rows <= 64):
         return ops.linear(x, weight, bias)
@@ -122,7 +127,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         check_shape(param.full_shape, loaded_weight)
-        if param is self.weight:
+        if param is self.weight and self.tp_size > 1:  # (one rank: the whole weight, maybe GGUF-packed)
             cols = param.shape[1]
             loaded_weight = loaded_weight.narrow(1, self.tp_rank * cols, cols)
         default_weight_loader(param, loaded_weight)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import ops
 from pagoda.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagoda.model_executor.layers.linear import dense
@@ -55,6 +56,9 @@ class VocabParallelEmbedding(nn.Module):
         param.data[real:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        gguf_type = getattr(self.weight, "gguf_type", None)
+        if gguf_type is not None:  # GGUF blocks (one rank): decode the looked-up rows only
+            return ops.gguf_embedding(input_ids, self.weight, gguf_type, self.embedding_dim)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_slice = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)

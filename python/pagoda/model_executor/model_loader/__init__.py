@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_weights
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.model_executor.model_loader.safetensors_loader import safetensors_files, safetensors_weights_iterator
@@ -42,6 +43,7 @@ def get_model(
     load_format: str = "auto",
     gguf_file: str | None = None,
     device: torch.device | str | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """model: a Hugging Face folder (safetensors), a folder holding gguf_file,
     or the .gguf file itself; ignored for load_format="dummy".
@@ -53,13 +55,20 @@ def get_model(
 
     Under tensor parallelism (pagoda.distributed's initialize_model_parallel
     called in this process) the model is this rank's shard, and the rank
-    reads only its slices of a safetensors checkpoint."""
+    reads only its slices of a safetensors checkpoint.
+
+    quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices packed
+    (the CPU's packed kernels multiply them; one rank only: the packed rows
+    are not split); None dequantizes everything to dtype."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":
         weights = safetensors_weights_iterator(safetensors_files(model), dtype)
     elif load_format == "gguf":
-        weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype)
+        packed = quantization == "gguf"
+        if packed and get_tensor_model_parallel_world_size() > 1:
+            raise ValueError("quantization='gguf' (packed GGUF weights) runs on one rank; pass quantization='none'")
+        weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype, packed=packed)
     else:
         weights = None
     with torch.device(device if device is not None else torch.get_default_device()):

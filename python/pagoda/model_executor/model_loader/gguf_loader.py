@@ -1,5 +1,7 @@
 """GGUF files (llama.cpp): tensors renamed to Hugging Face's names and
-dequantized one at a time to the model's dtype.
+dequantized one at a time to the model's dtype, or (packed=True) matrices in
+the block formats our CPU kernels multiply (Q4_0, Q4_1, Q8_0) kept as they
+are in the file, as PackedWeight rows of blocks.
 
 The config (and tokenizer) of a GGUF model come from transformers:
 AutoConfig.from_pretrained(folder, gguf_file=name).
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
+from pagoda.model_executor.weight_utils import PackedWeight
 
 # Architectures whose tensors use the names below; llama.cpp also writes
 # Mistral-style models as "llama".
@@ -61,12 +64,35 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+# GGML type ids the packed kernels take (ops.gguf_linear).
+PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+# Tensors the model fuses into one parameter: packed only if all share a type.
+_FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _packable(reader) -> set[str]:
+    """Names of the 2-D tensors to keep packed: a packed type, and the same
+    one as the other parts of their fused parameter."""
+    types = {t.name: t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    names = {name for name, kind in types.items() if kind in PACKED_TYPES}
+    for name in list(names):
+        parts = name.split(".")  # blk.3.attn_q.weight
+        for group in _FUSED_PARTS:
+            if parts[0] == "blk" and parts[2] in group:
+                kinds = {types.get(".".join([*parts[:2], sibling, *parts[3:]])) for sibling in group}
+                if len(kinds) > 1:
+                    names.discard(name)
+    return names
+
+
 def _field_str(reader, key: str) -> str:
     field = reader.fields.get(key)
     return bytes(field.parts[field.data[0]]).decode() if field is not None else ""
 
 
-def gguf_weights_iterator(path: str, hf_config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights_iterator(
+    path: str, hf_config, dtype: torch.dtype, packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     import gguf  # imported here: only GGUF loading needs it
 
     reader = gguf.GGUFReader(path)
@@ -75,6 +101,7 @@ def gguf_weights_iterator(path: str, hf_config, dtype: torch.dtype) -> Iterator[
         raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    keep_packed = _packable(reader) if packed else set()
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             # Llama 3.1's rope scaling as per-frequency divisors; our RoPE
@@ -87,6 +114,14 @@ def gguf_weights_iterator(path: str, hf_config, dtype: torch.dtype) -> Iterator[
                 )
             continue
         name = gguf_to_hf_name(tensor.name)
+        # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if tensor.name in keep_packed:
+            blocks = torch.tensor(tensor.data)  # uint8 [rows, row bytes], a copy of the read-only map
+            if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+                blocks = unpermute_qk(blocks, num_heads if ".attn_q." in tensor.name else num_kv_heads)
+            yield name, PackedWeight(blocks, PACKED_TYPES[tensor.tensor_type.name], shape)
+            continue
         try:
             data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 numpy
         except NotImplementedError:
@@ -94,8 +129,6 @@ def gguf_weights_iterator(path: str, hf_config, dtype: torch.dtype) -> Iterator[
                 f"GGUF tensor {tensor.name!r} uses quantization type {tensor.tensor_type.name}, "
                 "which cannot be dequantized"
             ) from None
-        # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         data = np.asarray(data, dtype=np.float32).reshape(shape)
         if not data.flags.writeable:  # F32 tensors come back as views of the read-only file map
             data = data.copy()
