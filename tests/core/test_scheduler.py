@@ -17,6 +17,7 @@ from pagoda.core.kv_cache_manager import KVCacheManager
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.block_table import BlockTable
 
 
 def next_token(tokens):
@@ -39,7 +40,8 @@ class SimulatedEngine:
     already-computed positions hold exactly the request's tokens (what a
     wrong prefix-cache hit or a reused live block would break). Like the
     worker, the runner keeps each request's block table from the scheduler's
-    incremental output, and checks it against the KV manager's."""
+    incremental output in the worker's BlockTable (a few rows, so it grows),
+    and checks it against the KV manager's."""
 
     def __init__(self, num_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs", caching=True,
                  async_scheduling=False):
@@ -54,7 +56,8 @@ class SimulatedEngine:
         self.in_flight = None  # async: (output, sampled) of the step run last, not read yet
         self.device_tokens = {}  # request id -> prompt + every token sampled (read or not)
         self.stop_tokens = {}
-        self.tables = {}  # request id -> block table, as the worker keeps it
+        self.block_table = BlockTable(num_blocks, num_rows=2)
+        self.rows = {}  # request id -> its row of block_table, as the worker keeps it
 
     def add(self, request_id, prompt, max_tokens, priority=0, arrival_time=0.0, stop_token=None):
         params = SamplingParams(max_tokens=max_tokens)
@@ -87,20 +90,20 @@ class SimulatedEngine:
         previous = self.in_flight[1] if self.in_flight else {}
         sampled = {}
         for request_id in output.finished_ids:
-            del self.tables[request_id]
+            self.block_table.free_row(self.rows.pop(request_id))
         for new in output.new_requests:
-            assert new.request_id not in self.tables, "a request's data sent twice"
-            self.tables[new.request_id] = None
+            assert new.request_id not in self.rows, "a request's data sent twice"
+            self.rows[new.request_id] = self.block_table.add_row()
         for item in output.scheduled:
             if item.request_id not in self.order:
                 self.order.append(item.request_id)
             tokens = self.device_tokens[item.request_id]
-            if item.reset_blocks:
-                self.tables[item.request_id] = list(item.new_block_ids)
-            else:
-                self.tables[item.request_id] += item.new_block_ids
-            table = self.tables[item.request_id]
+            row = self.rows[item.request_id]
+            self.block_table.append(row, item.new_block_ids, item.reset_blocks)
+            stored = self.block_table.ids[row]
+            table = stored[: self.block_table.num_blocks[row]].tolist()
             assert table == self.kv.block_ids(item.request_id), "the worker's block table went wrong"
+            assert not stored[len(table):].any(), "stale block ids past the row's blocks"
             slot = lambda pos: table[pos // bs] * bs + pos % bs  # noqa: E731
             end = item.start_position + len(item.token_ids)
             assert len(table) * bs >= end

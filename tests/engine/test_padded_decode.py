@@ -28,8 +28,8 @@ def test_padded_decode_equals_unpadded(family, async_scheduling, make_checkpoint
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 8]
     prepare, padded_sizes = runner.input_buffers.prepare, []
 
-    def recording(scheduled, block_ids=(), pad_to=None, previous=None):
-        inputs = prepare(scheduled, block_ids, pad_to, previous)
+    def recording(scheduled, block_tables=None, pad_to=None, previous=None):
+        inputs = prepare(scheduled, block_tables, pad_to, previous)
         if pad_to is not None:
             padded_sizes.append((len(scheduled.scheduled), pad_to))
         return inputs

@@ -30,8 +30,12 @@ def request(i, start, num_new, num_blocks=None, sample=True, prompt=10):
 
 def one_step(items):
     """The step's scheduler output and the block tables the worker keeps
-    (here: each request's first, so its whole table)."""
-    return SchedulerOutput(items), [item.new_block_ids for item in items]
+    (here: each request's first, so its whole table), zero-padded."""
+    width = max((len(item.new_block_ids) for item in items), default=0)
+    tables = np.zeros((len(items), width), dtype=np.int32)
+    for row, item in zip(tables, items):
+        row[: len(item.new_block_ids)] = item.new_block_ids
+    return SchedulerOutput(items), tables
 
 
 def expected(items):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -98,13 +99,13 @@ class GPUModelRunner(ModelRunner):
             for layer in self.attention_layers:
                 layer.kv_cache = None
 
-    def _dummy_step(self, lengths: list[int]) -> tuple[SchedulerOutput, list[list[int]]]:
+    def _dummy_step(self, lengths: list[int]) -> tuple[SchedulerOutput, np.ndarray]:
         """A step of prompts of these lengths, all sampling, every block id 0
         (with its block tables)."""
-        tables = [[0] * -(-n // self.block_size) for n in lengths]
-        step = SchedulerOutput([ScheduledRequest(f"dummy-{i}", [0] * n, 0, table, True, n)
-                                for i, (n, table) in enumerate(zip(lengths, tables))])
-        return step, tables
+        blocks = [-(-n // self.block_size) for n in lengths]
+        step = SchedulerOutput([ScheduledRequest(f"dummy-{i}", [0] * n, 0, [0] * b, True, n)
+                                for i, (n, b) in enumerate(zip(lengths, blocks))])
+        return step, np.zeros((len(lengths), max(blocks)), dtype=np.int32)
 
     def _compile_prefill_kernels(self) -> str:
         """The Triton prefill kernel compiles one variant per query-tile height

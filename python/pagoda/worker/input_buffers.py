@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
-
 import numpy as np
 import torch
 
@@ -97,11 +95,12 @@ class InputBuffers:
         self._copied = torch.cuda.Event() if on_gpu else None
 
     def prepare(
-        self, scheduled: SchedulerOutput, block_ids: Sequence[Sequence[int]] = (), pad_to: int | None = None,
+        self, scheduled: SchedulerOutput, block_tables: np.ndarray | None = None, pad_to: int | None = None,
         previous: SchedulerOutput | None = None,
     ) -> ModelInputs:
-        """Fills the buffers for one step: block_ids[i] is the whole block
-        table of scheduled.scheduled[i] (the worker keeps them). With pad_to
+        """Fills the buffers for one step: block_tables[i] is the whole block
+        table of scheduled.scheduled[i], zero-padded to the widest ([num_reqs,
+        width] int32; the worker keeps them, see BlockTable). With pad_to
         (a decode step only), appends padding rows up to that batch size.
         previous: the step whose
         sampled ids fill pending tokens (needed when a request's last token
@@ -110,8 +109,7 @@ class InputBuffers:
         num_reqs = len(items)
         q_lens = np.fromiter((len(item.token_ids) for item in items), np.int64, num_reqs)
         num_tokens = int(q_lens.sum())
-        num_blocks = np.fromiter((len(ids) for ids in block_ids), np.int64, num_reqs)
-        width = int(num_blocks.max()) if num_reqs else 0
+        width = block_tables.shape[1] if num_reqs else 0
         self._check_capacity(num_reqs, num_tokens, width, pad_to)
         if pad_to is not None and num_tokens != num_reqs:
             raise ValueError("only decode steps (one new token per request) can be padded to a CUDA-graph batch size")
@@ -128,15 +126,12 @@ class InputBuffers:
         starts = np.fromiter((item.start_position for item in items), np.int64, num_reqs)
         positions = self.positions.np[:num_tokens]
         np.add(starts[req_index], np.arange(num_tokens) - query_start_loc[req_index], out=positions)
-        block_tables = self.block_tables.np[: num_reqs * width].reshape(num_reqs, width)
-        block_tables.fill(0)
-        # One pass over all block ids (row-major, as the mask's True entries).
-        block_tables[np.arange(width) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_ids), np.int32, int(num_blocks.sum())
-        )
+        tables = self.block_tables.np[: num_reqs * width].reshape(num_reqs, width)
+        if num_reqs:
+            tables[:] = block_tables
         block_size = self.block_size
         np.add(
-            block_tables[req_index, positions // block_size].astype(np.int64) * block_size,
+            tables[req_index, positions // block_size].astype(np.int64) * block_size,
             positions % block_size,
             out=self.slot_mapping.np[:num_tokens],
         )

@@ -15,8 +15,9 @@ import abc
 import bisect
 import contextlib
 import time
-from typing import Iterator, Sequence
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -155,12 +156,12 @@ class ModelRunner(abc.ABC):
     def execute(
         self,
         scheduled: SchedulerOutput,
-        block_ids: Sequence[Sequence[int]],
+        block_tables: np.ndarray,
         prompt_logprob_ids: frozenset[str] = frozenset(),
         previous_sampled: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, tuple[int, torch.Tensor]]]:
-        """Runs one step (block_ids: each scheduled request's whole block
-        table). Returns float32 logits of the requests that sample
+        """Runs one step (block_tables: each scheduled request's whole block
+        table, a row each, zero-padded). Returns float32 logits of the requests that sample
         this step (in the order they appear in `scheduled`), and for each
         request in `prompt_logprob_ids` that computed prompt tokens this step,
         (first position, logits at its prompt positions that predict a prompt token).
@@ -168,7 +169,7 @@ class ModelRunner(abc.ABC):
         previous_sampled: the token ids sampled from the previous execute's
         logits (on the device), where a request's last token is pending."""
         previous = self._previous_step if previous_sampled is not None else None
-        inputs = self.input_buffers.prepare(scheduled, block_ids, self.padded_batch_size(scheduled), previous)
+        inputs = self.input_buffers.prepare(scheduled, block_tables, self.padded_batch_size(scheduled), previous)
         self._previous_step = scheduled
         if inputs.pending_src.numel():
             # Queued behind the previous step on the device: no wait here.

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
+import numpy as np
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -36,6 +37,7 @@ from pagoda.model_executor.layers.sampler import (
 from pagoda.outputs import ModelRunnerOutput, TokenLogprobs
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker import create_model_runner
+from pagoda.worker.block_table import BlockTable
 
 logger = init_logger(__name__)
 
@@ -58,7 +60,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     params: SamplingParams  # _NEUTRAL_PARAMS once its own work failed
     want_prompt_logprobs: bool
-    block_ids: list[int]
+    row: int  # its row of the worker's BlockTable
     output_token_ids: list[int]  # sampled so far, as far as the host has read them
     num_sampled: int = 0  # rows sampled so far, those still on the device included
     num_prompt_logprobs: int = 0  # prompt positions scored so far
@@ -109,6 +111,7 @@ class Worker:
         self.sampler = Sampler()
         self.eos_token_ids = sorted(eos_token_ids)
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable(self.runner.input_buffers.max_blocks_per_req, scheduler_config.max_num_seqs)
         self._previous: StepHandle | None = None  # its samples feed this step's pending tokens
         # Structured outputs: this step's bitmask rows (host int32) by request id.
         self._grammar_rows: dict[str, torch.Tensor] = {}
@@ -136,7 +139,8 @@ class Worker:
         wants = frozenset(item.request_id for item in items if self._wants_prompt_logprobs(item.request_id))
         previous = None if self._previous is None else self._previous.samples
         logits, prompt_logits = self.runner.execute(
-            scheduled, [self.requests[item.request_id].block_ids for item in items], wants,
+            scheduled, self.block_table.gather(np.fromiter((self.requests[item.request_id].row for item in items),
+                                                           np.int64, len(items))), wants,
             None if previous is None else previous.sampled,
         )
         samples = None
@@ -159,21 +163,22 @@ class Worker:
 
     def _update_states(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.block_table.free_row(state.row)
         for new in scheduled.new_requests:
             params = new.sampling_params
             generator = None
             if params.seed is not None:
                 generator = make_generator(params.seed % 2**64, self.device)
             self.requests[new.request_id] = CachedRequestState(
-                new.prompt_token_ids, params, new.want_prompt_logprobs, [], [], generator=generator
+                new.prompt_token_ids, params, new.want_prompt_logprobs, self.block_table.add_row(), [],
+                generator=generator,
             )
+        requests, append = self.requests, self.block_table.append
         for item in scheduled.scheduled:
-            state = self.requests[item.request_id]
-            if item.reset_blocks:
-                state.block_ids = list(item.new_block_ids)
-            else:
-                state.block_ids += item.new_block_ids
+            if item.new_block_ids or item.reset_blocks:
+                append(requests[item.request_id].row, item.new_block_ids, item.reset_blocks)
 
     def _wants_prompt_logprobs(self, request_id: str) -> bool:
         state = self.requests[request_id]
