@@ -82,6 +82,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+_UNSENT = object()  # _sent_blocks' default: the worker has not seen the request yet
+
+
 class Scheduler:
     def __init__(
         self,
@@ -191,23 +194,16 @@ class Scheduler:
             token_ids.append(0)
         sample = end == known + request.num_pending_tokens
         request_id = request.request_id
-        if request_id not in self._sent_blocks:
+        sent = self._sent_blocks.get(request_id, _UNSENT)
+        if sent is _UNSENT:
             output.new_requests.append(NewRequestData(request_id, request.prompt_token_ids, request.sampling_params,
                                                       request.want_prompt_logprobs))
-        sent = self._sent_blocks.get(request_id)
+            sent = None
         new_block_ids = self.kv.block_ids(request_id, start=sent or 0)
         self._sent_blocks[request_id] = (sent or 0) + len(new_block_ids)
         output.scheduled.append(
-            ScheduledRequest(
-                request_id=request_id,
-                token_ids=token_ids,
-                start_position=start,
-                new_block_ids=new_block_ids,
-                sample=sample,
-                num_prompt_tokens=request.num_prompt_tokens,
-                last_token_pending=end > known,
-                reset_blocks=sent is None,
-            )
+            ScheduledRequest(request_id, token_ids, start, new_block_ids, sample, len(request.prompt_token_ids),
+                             end > known, sent is None)
         )
         request.num_computed_tokens = end
         request.num_pending_tokens += sample
