@@ -158,14 +158,11 @@ def test_priority_needs_the_priority_policy(server):
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/completions", {"structured_outputs": {"structural_tag": "{}"}}, "structural_tag"),
     ("/v1/chat/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "tool"),
     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
      "continuous_usage_stats"),
 ])

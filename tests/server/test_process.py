@@ -311,3 +311,19 @@ def test_parser_flags():
         parse(["--allowed-origins", '["http://a", 5]'])
     with pytest.raises(SystemExit):
         parse(["--load-format", "pickle"])
+
+
+def test_tool_and_reasoning_flags(capsys):
+    from pagoda.entrypoints.openai.api_server import main, make_parser
+
+    args = make_parser().parse_args(["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+                                     "--reasoning-parser", "qwen3"])
+    assert (args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser) == ("llama3_json", True, "qwen3")
+    args = make_parser().parse_args([])
+    assert (args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser) == (None, False, None)
+    for bad in (["--tool-call-parser", "mistral"], ["--reasoning-parser", "deepseek_r1"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(bad)
+    with pytest.raises(SystemExit):  # before any engine starts
+        main(["--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)" in capsys.readouterr().err

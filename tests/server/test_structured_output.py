@@ -108,7 +108,7 @@ def test_completions_and_chat_take_vllm_fields(client, extra, check):
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format and structured_outputs"),
     ({"response_format": {"type": "json_schema"}}, "needs json_schema"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag.* is not supported"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "needs the server started with --enable-auto"),
 ])
 def test_what_cannot_be_followed_is_a_400_and_the_engine_serves_on(client, body, problem):
     with pytest.raises(openai.BadRequestError) as caught:

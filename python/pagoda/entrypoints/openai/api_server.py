@@ -38,12 +38,14 @@ from pagoda.entrypoints.openai.openapi import Endpoint, openapi_schema
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
                                                 TokenizeResponse)
+from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.request_log import RequestLogMiddleware
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_engine import ServerState, now, with_cancellation
 from pagoda.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, tokenize_schema
 from pagoda.entrypoints.openai.tokenizer_pool import TokenizerPool
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.prometheus import PrometheusStatLogger
 from pagoda.version import __version__
@@ -65,7 +67,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
               chat_template: str | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, engine_stall_timeout: float | None = 30.0,
               max_queued_requests: int | None = None, stream_send_timeout: float | None = 30.0,
-              tokenizer_threads: int | None = None) -> Starlette:
+              tokenizer_threads: int | None = None, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Starlette:
     """allowed_origins: CORS origins (None: no CORS headers). engine_stall_timeout:
     /health fails when the engine has work but no step finished for this
     many seconds (None: only a dead engine fails it). max_queued_requests:
@@ -73,12 +76,18 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], api_key: str
     (None: no bound). stream_send_timeout: a stream whose client has not
     taken a chunk for this many seconds is aborted (None: never).
     tokenizer_threads: how many prompts tokenize at once (TokenizerPool's
-    default when None)."""
+    default when None). tool_call_parser, enable_auto_tool_choice,
+    reasoning_parser: vLLM's flags (tool_parsers, reasoning_parsers)."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = PrometheusStatLogger(engine, names[0])
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, names, TokenizerPool(engine.get_tokenizer(), tokenizer_threads), api_key,
-                        chat_template, metrics, max_queued_requests, stream_send_timeout)
+                        chat_template, metrics, max_queued_requests, stream_send_timeout,
+                        None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser](),
+                        enable_auto_tool_choice,
+                        None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]())
 
     def check_key(request: Request) -> None:
         if state.api_key is None:
@@ -243,6 +252,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"), help="also PAGODA_API_KEY")
     p.add_argument("--chat-template", default=None, help="a Jinja file or template string")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="how tool calls are read from the text for tool_choice \"auto\": hermes (Qwen2.5, Qwen3), "
+                        "llama3_json (Llama 3.1+)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide whether to call a tool (tool_choice "auto", the default with tools); '
+                        "needs --tool-call-parser")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split the model's thinking into reasoning_content: qwen3 (<think>...</think>); "
+                        "default: off")
     p.add_argument("--allowed-origins", type=origins, default=None,
                    help='CORS origins, a JSON list or comma-separated (e.g. \'["*"]\'); default: no CORS')
     p.add_argument("--disable-log-requests", action="store_true", help="no per-request log lines")
@@ -366,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--skip-tokenizer-init: the server needs the tokenizer (text prompts, chat, /tokenize)")
     if args.api_server_count > 1 and args.in_process_engine:
         parser.error("--api-server-count > 1 needs the engine core in its own process (drop --in-process-engine)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})")
     os.chdir(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()))  # relative paths as the user typed them
     if args.chat_template is not None and os.path.isfile(args.chat_template):
         with open(args.chat_template) as f:
@@ -397,7 +417,8 @@ def serve(args: argparse.Namespace, engine_args, core: tuple[str, int, int] | No
     app = build_app(engine, names, api_key=args.api_key, chat_template=args.chat_template, log_requests=log_requests,
                     allowed_origins=args.allowed_origins, engine_stall_timeout=args.engine_stall_timeout or None,
                     max_queued_requests=args.max_queued_requests, stream_send_timeout=args.stream_send_timeout,
-                    tokenizer_threads=args.tokenizer_threads)
+                    tokenizer_threads=args.tokenizer_threads, tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
     ready = engine.ready
     if index == 0:
         where = "in this process" if engine.core_pid is None else f"in process {engine.core_pid}"

@@ -5,7 +5,7 @@ them.
 Unknown fields are refused (extra="forbid") rather than ignored, values of
 another JSON type than the schema's are refused rather than coerced (strict:
 `"n": "2"` or `"stream": 0` is a 400), and known OpenAI features Pagoda
-lacks (tools, best_of) are refused with a 400 that says so: a client must
+lacks (best_of, non-text content parts) are refused with a 400 that says so: a client must
 never get an answer that silently ignored or reinterpreted part of its
 request.
 
@@ -16,9 +16,12 @@ older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from pagoda.entrypoints.openai.tool_parsers import forced_call_schema
 
 
 class _Strict(BaseModel):
@@ -177,16 +180,42 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, arguments):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"a tool call's arguments must be a JSON text, got {arguments[:80]!r}") from None
+        return arguments
+
+
+class ToolCallMessage(_Strict):
+    """An assistant message's earlier tool call, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (not shown to the template)
 
     @field_validator("role", mode="before")
     @classmethod
-    def _refuse_tool_roles(cls, role):
-        if role in ("tool", "function"):
-            raise ValueError(f"messages with role {role!r} are not supported by Pagoda yet (no tool calling)")
+    def _refuse_function_role(cls, role):
+        if role == "function":
+            raise ValueError("messages with role 'function' (OpenAI's deprecated form) are not supported: "
+                             "send role 'tool' with tool_call_id")
         return role
 
     @field_validator("content", mode="before")
@@ -198,11 +227,46 @@ class ChatMessage(_Strict):
                 raise ValueError(f"content parts of type {kind!r} are not supported by Pagoda yet (text only)")
         return content
 
-    def as_template_input(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message with role 'tool' needs tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls are only allowed in assistant messages, not {self.role!r}")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):  # text parts only: joined as OpenAI does
             content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            # Templates render the arguments as a mapping (`| tojson`).
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the arguments always follow the schema when a call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    class Function(_Strict):
+        name: str
+
+    type: Literal["function"]
+    function: Function
 
 
 class JsonSchemaFormat(_Strict):
@@ -233,36 +297,64 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Refused unless they ask for nothing (below).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _refuse_chat_features(self):
-        if self.tools:
-            raise ValueError("tools are not supported by Pagoda yet")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by Pagoda yet")
+    def _check_chat_features(self):
+        names = [tool.function.name for tool in self.tools or ()]
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"in tools ({', '.join(names)})")
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have the same name")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return self
 
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """"none", "auto", "required" or the named choice as a dict (tools
+        given and no tool_choice: "auto", as OpenAI)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (none when tool_choice is "none")."""
+        if self.effective_tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
     def structured_outputs_kwargs(self) -> dict[str, Any] | None:
-        """response_format as structured_outputs (with the options given in
-        structured_outputs, e.g. disable_any_whitespace); "text" is none."""
+        """response_format, or a forced tool call's schema, as
+        structured_outputs (with the options given in structured_outputs,
+        e.g. disable_any_whitespace); "text" is none."""
         kwargs = super().structured_outputs_kwargs()
         kind = None if self.response_format is None else self.response_format.type
-        if kind in ("json_object", "json_schema"):
+        choice = self.effective_tool_choice
+        forced = choice == "required" or isinstance(choice, dict)
+        if kind in ("json_object", "json_schema") or forced:
             kwargs = kwargs or {}
-            given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if kwargs.get(name)]
+            given = [f"structured_outputs.{name}" for name in ("json", "regex", "choice", "grammar", "json_object")
+                     if kwargs.get(name)]
+            given += ["response_format"] if forced and kind in ("json_object", "json_schema") else []
             if given:
-                raise ValueError(f"response_format and structured_outputs.{given[0]} both constrain the output: "
-                                 f"give one")
-            if kind == "json_object":
+                raise ValueError(f"{'tool_choice' if forced else 'response_format'} and {given[0]} both constrain "
+                                 f"the output: give one")
+            if forced:
+                tools = [tool.model_dump() for tool in self.tools]
+                kwargs["json"] = forced_call_schema(tools, choice, self.parallel_tool_calls)
+            elif kind == "json_object":
                 kwargs["json_object"] = True
             else:
                 kwargs["json"] = self.response_format.json_schema.schema_

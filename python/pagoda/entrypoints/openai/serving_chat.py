@@ -1,5 +1,8 @@
-"""POST /v1/chat/completions: messages through the chat template (the
-tokenizer's, or --chat-template), then one engine request with n choices."""
+"""POST /v1/chat/completions: messages (and tools) through the chat template
+(the tokenizer's, or --chat-template), then one engine request with n
+choices; the text of each is split into reasoning_content (--reasoning-parser),
+content and tool_calls (--tool-call-parser for tool_choice "auto"; a forced
+call's output follows its schema through structured outputs)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from pagoda.engine.async_llm import RequestOutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.entrypoints.openai.tool_parsers import ToolCall, forced_calls
 from pagoda.entrypoints.openai.serving_engine import (EventStream, ServerState, admit, check_model, check_token_ids,
                                                       engine_error, fit_max_tokens, merge, new_id, now,
                                                       request_timings, sampling_params, sse, stream_choices,
@@ -18,20 +22,21 @@ from pagoda.outputs import CompletionOutput
 
 
 async def apply_chat_template(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                              add_special_tokens: bool = False) -> list[int]:
+                              add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
     """The messages' token ids through the chat template (the tokenizer's or
     --chat-template), on a tokenizer thread. Rendered to text, then encoded:
     templates write their own BOS, so special tokens are only added when
     asked (/tokenize)."""
     inputs = [m.as_template_input() for m in messages]
-    return await state.tokenizers.run(_render_and_encode, state, inputs, add_generation_prompt, add_special_tokens)
+    return await state.tokenizers.run(_render_and_encode, state, inputs, add_generation_prompt, add_special_tokens,
+                                      tools)
 
 
 def _render_and_encode(state: ServerState, messages: list[dict], add_generation_prompt: bool,
-                       add_special_tokens: bool) -> list[int]:
+                       add_special_tokens: bool, tools: list[dict] | None) -> list[int]:
     tokenizer = state.tokenizers.tokenizer
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=state.chat_template,
+        text = tokenizer.apply_chat_template(messages, chat_template=state.chat_template, tools=tools,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 -- no template, or the template rejected these messages
         raise APIError(f"could not apply the chat template: {exc}", param="messages") from None
@@ -40,7 +45,12 @@ def _render_and_encode(state: ServerState, messages: list[dict], add_generation_
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest) -> Response:
     model = check_model(state, request.model)
-    prompt_ids = check_token_ids(state, await apply_chat_template(state, request.messages))
+    if request.effective_tool_choice == "auto" and (state.tool_parser is None or not state.enable_auto_tool_choice):
+        raise APIError('tool_choice "auto" (the default with tools) needs the server started with '
+                       "--enable-auto-tool-choice and --tool-call-parser (hermes or llama3_json); "
+                       '"required", a named function and "none" work without them', param="tool_choice")
+    prompt_ids = check_token_ids(state, await apply_chat_template(state, request.messages,
+                                                                  tools=request.template_tools))
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_max_tokens(state, len(prompt_ids), request.requested_max_tokens, param)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -60,9 +70,12 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     except Exception as exc:  # noqa: BLE001 -- reported as an OpenAI error
         raise engine_error(exc) from exc
     tokenizer = state.engine.get_tokenizer()
-    choices = [dict(index=c.index, message=dict(role="assistant", content=c.text),
-                    logprobs=_logprobs(c, tokenizer, logprobs) if logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = _message(state, request, c)
+        choices.append(dict(index=c.index, message=message,
+                            logprobs=_logprobs(c, tokenizer, logprobs) if logprobs is not None else None,
+                            finish_reason=finish_reason, stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     body = dict(id=request_id, object="chat.completion", created=created, model=model, choices=choices,
                 usage=usage(len(prompt_ids), completion_tokens))
@@ -79,13 +92,98 @@ async def _stream(state, request, request_id, created, model, prompts, streams, 
         yield sse(dict(chunk, choices=[dict(index=index, delta=dict(role="assistant", content=""), logprobs=None,
                                             finish_reason=None)]))
 
+    deltas: dict[int, _ChoiceDeltas] = {}
+
     def choice(_, index: int, c: CompletionOutput) -> dict:
-        return dict(index=index, delta=dict(content=c.text) if c.text or c.finish_reason is None else {},
+        sent = deltas.setdefault(index, _ChoiceDeltas(state, request))
+        delta = sent.delta(c.text, c.finish_reason is not None)
+        finish_reason = c.finish_reason
+        if sent.called and finish_reason == "stop" and not isinstance(sent.tool_choice, dict):
+            finish_reason = "tool_calls"
+        return dict(index=index, delta=delta,
                     logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
-                    finish_reason=c.finish_reason)
+                    finish_reason=finish_reason)
 
     async for event in stream_choices(state, request, chunk, prompts, streams, params, choice):
         yield event
+
+
+def _split(state: ServerState, request: ChatCompletionRequest, text: str,
+           final: bool) -> tuple[str | None, str | None, list[ToolCall] | None, int]:
+    """(reasoning_content, content, tool calls, how much of content is surely
+    content) of a choice's text so far. Tool calls are None until the end
+    (final), except a named call's, known from the start (its content is
+    the arguments)."""
+    reasoning, content = (None, text) if state.reasoning_parser is None else state.reasoning_parser.split(text, final)
+    content = content or ""
+    choice = request.effective_tool_choice
+    if isinstance(choice, dict):
+        return reasoning, None, forced_calls(content, choice), 0
+    if choice == "none":
+        return reasoning, content, None, len(content)
+    parser = state.tool_parser if choice == "auto" else None
+    if not final:
+        return reasoning, content, None, 0 if parser is None else parser.content_end(content)
+    try:
+        calls = forced_calls(content, choice) if parser is None else parser.extract(content)[1]
+    except (ValueError, KeyError, TypeError):  # a forced output cut short (max_tokens): not a call
+        calls = []
+    calls = calls if request.parallel_tool_calls else calls[:1]
+    if not calls:
+        return reasoning, content, [], len(content)
+    before = 0 if parser is None else parser.content_end(content)
+    return reasoning, content[:before], calls, before
+
+
+def _message(state: ServerState, request: ChatCompletionRequest, c: CompletionOutput) -> tuple[dict, str | None]:
+    """A choice's message and finish_reason ("tool_calls" when it called one)."""
+    reasoning, content, calls, _ = _split(state, request, c.text, final=True)
+    message = dict(role="assistant", content=(content or "").strip() or None if calls else content)
+    if state.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning
+    finish_reason = c.finish_reason
+    if calls:
+        message["tool_calls"] = [call.as_openai() for call in calls]
+        if finish_reason == "stop" and not isinstance(request.effective_tool_choice, dict):
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+class _ChoiceDeltas:
+    """What a stream has sent of one choice: its reasoning and content grow
+    with the text (a tail that may open a tool call is held back); tool
+    calls go out once known, a named call's arguments as they are made."""
+
+    def __init__(self, state: ServerState, request: ChatCompletionRequest):
+        self.state, self.request = state, request
+        self.tool_choice = request.effective_tool_choice
+        self.text, self.sent_reasoning, self.sent_content, self.sent_arguments = "", 0, 0, 0
+        self.named_id: str | None = None
+        self.called = False
+
+    def delta(self, new_text: str, final: bool) -> dict:
+        self.text += new_text
+        reasoning, content, calls, visible = _split(self.state, self.request, self.text, final)
+        delta = {}
+        if reasoning is not None and len(reasoning) > self.sent_reasoning:
+            delta["reasoning_content"], self.sent_reasoning = reasoning[self.sent_reasoning:], len(reasoning)
+        if content is not None and visible > self.sent_content:
+            delta["content"], self.sent_content = content[self.sent_content:visible], visible
+        if isinstance(self.tool_choice, dict):
+            arguments = calls[0].arguments
+            call = dict(index=0, function=dict(arguments=arguments[self.sent_arguments:]))
+            if self.named_id is None:  # the first delta names the call
+                opened = calls[0].as_openai(0)
+                self.named_id = opened["id"]
+                call.update(id=self.named_id, type="function")
+                call["function"] = dict(name=calls[0].name, arguments=call["function"]["arguments"])
+            if call["function"]["arguments"] or "id" in call:
+                delta["tool_calls"] = [call]
+            self.sent_arguments, self.called = len(arguments), True
+        elif calls:
+            delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
+            self.called = True
+        return delta
 
 
 def _logprobs(c: CompletionOutput, tokenizer, top_n: int) -> dict:

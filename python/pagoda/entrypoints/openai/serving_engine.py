@@ -40,6 +40,9 @@ class ServerState:
     metrics: PrometheusStatLogger | None = None
     max_queued_requests: int | None = None
     stream_send_timeout: float | None = None
+    tool_parser: Any = None  # for tool_choice "auto" (tool_parsers.TOOL_PARSERS), with enable_auto_tool_choice
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: Any = None  # splits reasoning_content out (reasoning_parsers.REASONING_PARSERS)
 
     @property
     def max_model_len(self) -> int:
