@@ -123,6 +123,9 @@ def test_auto_needs_the_servers_flags_and_bad_tools_are_400(plain):
         assert says in r.json()["error"]["message"], (extra, r.json())
     r = httpx.post(plain.url + "/v1/chat/completions", json=dict(body, tool_choice="none", max_tokens=4))
     assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+    r = httpx.post(plain.url + "/v1/chat/completions", json=dict(body, tool_choice="required", max_tokens=150,
+                                                                 parallel_tool_calls=None, seed=0, **COMPACT))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"], r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

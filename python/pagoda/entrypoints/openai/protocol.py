@@ -299,7 +299,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -353,7 +353,7 @@ class ChatCompletionRequest(_SamplingRequest):
                                  f"the output: give one")
             if forced:
                 tools = [tool.model_dump() for tool in self.tools]
-                kwargs["json"] = forced_call_schema(tools, choice, self.parallel_tool_calls)
+                kwargs["json"] = forced_call_schema(tools, choice, self.parallel_tool_calls is not False)
             elif kind == "json_object":
                 kwargs["json_object"] = True
             else:

@@ -128,7 +128,7 @@ def _split(state: ServerState, request: ChatCompletionRequest, text: str,
         calls = forced_calls(content, choice) if parser is None else parser.extract(content)[1]
     except (ValueError, KeyError, TypeError):  # a forced output cut short (max_tokens): not a call
         calls = []
-    calls = calls if request.parallel_tool_calls else calls[:1]
+    calls = calls if request.parallel_tool_calls is not False else calls[:1]
     if not calls:
         return reasoning, content, [], len(content)
     before = 0 if parser is None else parser.content_end(content)
