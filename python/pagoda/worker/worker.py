@@ -138,10 +138,9 @@ class Worker:
                                                lambda row, request_id: self._sampling_metadata([request_id], trial=True))
         wants = frozenset(item.request_id for item in items if self._wants_prompt_logprobs(item.request_id))
         previous = None if self._previous is None else self._previous.samples
+        table_rows = np.fromiter((self.requests[item.request_id].row for item in items), np.int64, len(items))
         logits, prompt_logits = self.runner.execute(
-            scheduled, self.block_table.gather(np.fromiter((self.requests[item.request_id].row for item in items),
-                                                           np.int64, len(items))), wants,
-            None if previous is None else previous.sampled,
+            scheduled, self.block_table.gather(table_rows), wants, None if previous is None else previous.sampled,
         )
         samples = None
         if rows:

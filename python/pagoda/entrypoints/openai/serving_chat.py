@@ -92,14 +92,22 @@ async def _stream(state, request, request_id, created, model, prompts, streams, 
         yield sse(dict(chunk, choices=[dict(index=index, delta=dict(role="assistant", content=""), logprobs=None,
                                             finish_reason=None)]))
 
+    tool_choice = request.effective_tool_choice
+    # Only tools or a reasoning parser need the text so far; plain streams send each delta as it is.
+    plain = tool_choice == "none" and state.reasoning_parser is None
     deltas: dict[int, _ChoiceDeltas] = {}
 
     def choice(_, index: int, c: CompletionOutput) -> dict:
-        sent = deltas.setdefault(index, _ChoiceDeltas(state, request))
-        delta = sent.delta(c.text, c.finish_reason is not None)
         finish_reason = c.finish_reason
-        if sent.called and finish_reason == "stop" and not isinstance(sent.tool_choice, dict):
-            finish_reason = "tool_calls"
+        if plain:
+            delta = dict(content=c.text) if c.text or finish_reason is None else {}
+        else:
+            sent = deltas.get(index)
+            if sent is None:
+                sent = deltas[index] = _ChoiceDeltas(state, tool_choice, request.parallel_tool_calls)
+            delta = sent.delta(c.text, finish_reason is not None)
+            if sent.called and finish_reason == "stop" and not isinstance(tool_choice, dict):
+                finish_reason = "tool_calls"
         return dict(index=index, delta=delta,
                     logprobs=_logprobs(c, tokenizer, params.logprobs) if params.logprobs is not None else None,
                     finish_reason=finish_reason)
@@ -108,27 +116,26 @@ async def _stream(state, request, request_id, created, model, prompts, streams, 
         yield event
 
 
-def _split(state: ServerState, request: ChatCompletionRequest, text: str,
-           final: bool) -> tuple[str | None, str | None, list[ToolCall] | None, int]:
+def _split(state: ServerState, tool_choice: str | dict, parallel_tool_calls: bool | None, text: str,
+           final: bool) -> tuple[str | None, str | None, list[ToolCall], int]:
     """(reasoning_content, content, tool calls, how much of content is surely
-    content) of a choice's text so far. Tool calls are None until the end
-    (final), except a named call's, known from the start (its content is
-    the arguments)."""
+    content) of a choice's text so far, for a request's effective tool
+    choice. Tool calls are found at the end (final), except a named call's,
+    known from the start (its content is the arguments)."""
     reasoning, content = (None, text) if state.reasoning_parser is None else state.reasoning_parser.split(text, final)
     content = content or ""
-    choice = request.effective_tool_choice
-    if isinstance(choice, dict):
-        return reasoning, None, forced_calls(content, choice), 0
-    if choice == "none":
-        return reasoning, content, None, len(content)
-    parser = state.tool_parser if choice == "auto" else None
+    if isinstance(tool_choice, dict):
+        return reasoning, None, forced_calls(content, tool_choice), 0
+    if tool_choice == "none":
+        return reasoning, content, [], len(content)
+    parser = state.tool_parser if tool_choice == "auto" else None
     if not final:
-        return reasoning, content, None, 0 if parser is None else parser.content_end(content)
+        return reasoning, content, [], 0 if parser is None else parser.content_end(content)
     try:
-        calls = forced_calls(content, choice) if parser is None else parser.extract(content)[1]
+        calls = forced_calls(content, tool_choice) if parser is None else parser.extract(content)[1]
     except (ValueError, KeyError, TypeError):  # a forced output cut short (max_tokens): not a call
         calls = []
-    calls = calls if request.parallel_tool_calls is not False else calls[:1]
+    calls = calls if parallel_tool_calls is not False else calls[:1]
     if not calls:
         return reasoning, content, [], len(content)
     before = 0 if parser is None else parser.content_end(content)
@@ -137,15 +144,18 @@ def _split(state: ServerState, request: ChatCompletionRequest, text: str,
 
 def _message(state: ServerState, request: ChatCompletionRequest, c: CompletionOutput) -> tuple[dict, str | None]:
     """A choice's message and finish_reason ("tool_calls" when it called one)."""
-    reasoning, content, calls, _ = _split(state, request, c.text, final=True)
-    message = dict(role="assistant", content=(content or "").strip() or None if calls else content)
-    if state.reasoning_parser is not None:
-        message["reasoning_content"] = reasoning
+    tool_choice = request.effective_tool_choice
+    reasoning, content, calls, _ = _split(state, tool_choice, request.parallel_tool_calls, c.text, final=True)
     finish_reason = c.finish_reason
     if calls:
-        message["tool_calls"] = [call.as_openai() for call in calls]
-        if finish_reason == "stop" and not isinstance(request.effective_tool_choice, dict):
+        content = (content or "").strip() or None  # the text before the calls, if any
+        if finish_reason == "stop" and not isinstance(tool_choice, dict):
             finish_reason = "tool_calls"
+    message = dict(role="assistant", content=content)
+    if state.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [call.as_openai() for call in calls]
     return message, finish_reason
 
 
@@ -154,32 +164,30 @@ class _ChoiceDeltas:
     with the text (a tail that may open a tool call is held back); tool
     calls go out once known, a named call's arguments as they are made."""
 
-    def __init__(self, state: ServerState, request: ChatCompletionRequest):
-        self.state, self.request = state, request
-        self.tool_choice = request.effective_tool_choice
+    def __init__(self, state: ServerState, tool_choice: str | dict, parallel_tool_calls: bool | None):
+        self.state, self.tool_choice, self.parallel_tool_calls = state, tool_choice, parallel_tool_calls
         self.text, self.sent_reasoning, self.sent_content, self.sent_arguments = "", 0, 0, 0
-        self.named_id: str | None = None
         self.called = False
 
     def delta(self, new_text: str, final: bool) -> dict:
         self.text += new_text
-        reasoning, content, calls, visible = _split(self.state, self.request, self.text, final)
+        reasoning, content, calls, visible = _split(self.state, self.tool_choice, self.parallel_tool_calls, self.text,
+                                                    final)
         delta = {}
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
             delta["reasoning_content"], self.sent_reasoning = reasoning[self.sent_reasoning:], len(reasoning)
         if content is not None and visible > self.sent_content:
             delta["content"], self.sent_content = content[self.sent_content:visible], visible
         if isinstance(self.tool_choice, dict):
-            arguments = calls[0].arguments
-            call = dict(index=0, function=dict(arguments=arguments[self.sent_arguments:]))
-            if self.named_id is None:  # the first delta names the call
-                opened = calls[0].as_openai(0)
-                self.named_id = opened["id"]
-                call.update(id=self.named_id, type="function")
-                call["function"] = dict(name=calls[0].name, arguments=call["function"]["arguments"])
-            if call["function"]["arguments"] or "id" in call:
-                delta["tool_calls"] = [call]
-            self.sent_arguments, self.called = len(arguments), True
+            call, sent = calls[0], self.sent_arguments
+            new_arguments = call.arguments[sent:]
+            if not self.called:  # the first delta names the call
+                opened = call.as_openai(0)
+                opened["function"]["arguments"] = new_arguments
+                delta["tool_calls"] = [opened]
+            elif new_arguments:
+                delta["tool_calls"] = [dict(index=0, function=dict(arguments=new_arguments))]
+            self.sent_arguments, self.called = len(call.arguments), True
         elif calls:
             delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
             self.called = True
