@@ -46,3 +46,20 @@ def test_fp8_configuration_errors(make_checkpoint):
         LLM(folder, device="cpu", dtype="float32", quantization="fp8", kv_cache_space=0.01)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(folder, device="cpu", dtype="bfloat16", quantization="int3", kv_cache_space=0.01)
+
+
+def test_fp8_two_ranks_follow_one(make_checkpoint):
+    """Under tensor parallelism each rank quantizes its own shard: a row
+    parallel layer's rank holds half of each weight row, so its scales (and
+    the activations' per-token scales over its half) differ from one rank's;
+    the result follows the one-rank FP8 model as FP8 follows bf16."""
+    _, folder = make_checkpoint("llama")
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=20, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    one = LLM(folder, device="cpu", dtype="bfloat16", quantization="fp8", kv_cache_space=0.01)
+    two = LLM(folder, device="cpu", dtype="bfloat16", quantization="fp8", kv_cache_space=0.01, tensor_parallel_size=2)
+    try:
+        for got, want in zip(two.generate(prompts, params, use_tqdm=False), one.generate(prompts, params, use_tqdm=False)):
+            assert_agree_up_to_near_tie(got, want, NEAR_TIE, MAX_DRIFT)
+    finally:
+        two.llm_engine.shutdown()
