@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Where `LLM(...)`'s cold start goes: the wall time of the imports and of
+the engine's construction for a model shape with dummy weights, and
+cProfile's functions by cumulative time over the whole start (the engine's
+own log gives the model runner's phases). Run it twice in one command: the
+first run compiles Triton kernels into the cache, the second is a warm
+machine's start.
+
+  PYTHONPATH=python python tools/benchmarks/bench_startup.py --model-shape Qwen3-0.6B [--tokenizer DIR] [--top 30|0]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-shape", default="Qwen3-0.6B")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--top", type=int, default=30, help="functions to list; 0: no profile (cProfile slows Python)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    profile = cProfile.Profile()
+    if args.top:
+        profile.enable()
+    import torch
+
+    imported_torch = time.perf_counter()
+    from pagoda import LLM
+    from pagoda.benchmarks.model_shapes import model_shape_path
+
+    imported = time.perf_counter()
+    llm = LLM(model_shape_path(args.model_shape), load_format="dummy", tokenizer=args.tokenizer,
+              skip_tokenizer_init=args.tokenizer is None)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    ready = time.perf_counter()
+    profile.disable()
+    print(f"import torch {imported_torch - started:.2f} s, import pagoda {imported - imported_torch:.2f} s, "
+          f"LLM(...) {ready - imported:.2f} s, total {ready - started:.2f} s")
+    if args.top:
+        stream = io.StringIO()
+        pstats.Stats(profile, stream=stream).sort_stats("cumulative").print_stats(args.top)
+        print(stream.getvalue())
+    del llm
+
+
+if __name__ == "__main__":
+    main()
