@@ -6,7 +6,9 @@ output channel; each step's activations are quantized per token (one scale
 per row, from that row's largest magnitude); torch._scaled_mm multiplies them
 on the FP8 tensor cores (Hopper's QGMMA; CUDA capability 8.9+) with both
 scale vectors applied in its epilogue, out in the model's dtype. A weight
-stores half the bytes of bf16 and the GEMM runs at twice the bf16 rate.
+takes half the bytes of bf16, and the FP8 tensor cores' peak rate is twice
+bf16's (measured: 1.25-1.67x from 1024 rows, no gain below 256 rows on the
+smaller layers; docs/BENCHMARKS.md).
 
 The embedding and the LM head stay in the model's dtype (as in vLLM: the
 logits are the most sensitive part and a small share of the FLOPs).
