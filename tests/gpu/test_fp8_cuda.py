@@ -55,4 +55,4 @@ def test_fp8_smollm2_follows_bf16():
     got = LLM(path, dtype="bfloat16", quantization="fp8").chat(conversations, PARAMS, use_tqdm=False)
     assert got[0].outputs[0].text.startswith("The capital of France is Paris")
     for g, w in zip(got, want):
-        assert_agree_up_to_near_tie(g, w, NEAR_TIE, 0.5)
+        assert_agree_up_to_near_tie(g, w, near_tie=2.0, max_drift=0.5)  # as tests/engine/test_smollm2.py says
