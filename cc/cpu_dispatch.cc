@@ -19,6 +19,11 @@ namespace {
 std::vector<KernelTable> compiled_tables() {
   std::vector<KernelTable> tables;
 #ifdef PAGODA_HAVE_AVX512
+  // The AVX512 build with its bf16 linear on VDPBF16PS.
+  KernelTable bf16 = PAGODA_KERNEL_TABLE(avx512);
+  bf16.isa = "avx512_bf16";
+  bf16.linear = &avx512::linear_avx512_bf16;
+  tables.push_back(bf16);
   tables.push_back(PAGODA_KERNEL_TABLE(avx512));
 #endif
 #ifdef PAGODA_HAVE_AVX2
@@ -36,6 +41,7 @@ bool cpu_supports(const std::string& isa) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
   }
+  if (isa == "avx512_bf16") return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
   return false;
 }
 

@@ -1,6 +1,8 @@
 // Chooses one build of the CPU kernels (AVX2 or AVX512) for the process:
 // the best the CPU supports among those compiled in, or the one named by the
 // PAGODA_CPU_ISA environment variable (for tests and benchmarks).
+// "avx512_bf16" is the AVX512 build with its bf16 linear on VDPBF16PS (CPUs
+// with AVX512_BF16); forcing "avx512" there runs the fp32-FMA fallback.
 #pragma once
 
 #include <string>

@@ -26,15 +26,22 @@ def pagoda_py_tests(tests, srcs = [], **kwargs):
     for test in tests:
         pagoda_py_test(name = test, srcs = [test + ".py"] + srcs, **kwargs)
 
-def pagoda_cpu_isa_test(name, srcs, tags = [], env = {}, **kwargs):
-    """One py_test per CPU kernel build (<name>_avx2, <name>_avx512), each
-    forcing that build (see tests/ops/conftest.py); a build the CPU cannot
-    run is skipped by the test itself."""
-    for isa in CPU_ISA_COPTS.keys():
+# Kernel tables that are a build with some kernels swapped for code of a later
+# extension (cc/cpu_dispatch.cc), and the build each belongs to.
+_CPU_ISA_VARIANTS = {"avx512_bf16": "avx512"}
+
+def pagoda_cpu_isa_test(name, srcs, tags = [], env = {}, variants = [], **kwargs):
+    """One py_test per CPU kernel build (<name>_avx2, <name>_avx512) and per
+    table of `variants` (e.g. <name>_avx512_bf16, tagged as its build), each
+    forcing that one (see tests/ops/conftest.py); one the CPU cannot run is
+    skipped by the test itself."""
+    isas = {isa: isa for isa in CPU_ISA_COPTS.keys()}
+    isas.update({variant: _CPU_ISA_VARIANTS[variant] for variant in variants})
+    for isa, build in isas.items():
         pagoda_py_test(
             name = "%s_%s" % (name, isa),
             srcs = srcs,
             env = dict(env, PAGODA_TEST_CPU_ISA = isa),
-            tags = tags + ["cpu", isa],
+            tags = tags + ["cpu", build],
             **kwargs
         )

@@ -1,6 +1,8 @@
 // CPU kernels. Each source is compiled once per instruction set (AVX2+FMA,
 // AVX512F/BW/VL); PAGODA_CPU_NS names the namespace of one such build so that
 // both builds link into one library and cc/cpu_dispatch.cc picks one at load time.
+// Code for later extensions (AVX512_BF16, AVX512_VNNI) is compiled into the
+// AVX512 build under `#pragma GCC target` and chosen at run time from cpuid.
 //
 // Conventions: pointers are to the first element; "stride" arguments are in
 // elements between consecutive tokens (rows); within a row elements are
@@ -93,6 +95,12 @@ PAGODA_CPU_KERNEL_DECLS
 }  // namespace avx2
 namespace avx512 {
 PAGODA_CPU_KERNEL_DECLS
+// linear with bf16 products on VDPBF16PS (other dtypes as linear); only for
+// CPUs with AVX512_BF16 (cc/cpu_dispatch.cc's "avx512_bf16" table).
+void linear_avx512_bf16(void* out, int64_t out_stride, const void* input,
+                        int64_t input_stride, const void* weight,
+                        const void* bias, int64_t M, int64_t N, int64_t K,
+                        DType dtype);
 }  // namespace avx512
 }  // namespace cpu
 }  // namespace pagoda

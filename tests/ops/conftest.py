@@ -1,7 +1,8 @@
 """Shared fixtures for the kernel tests.
 
-`--cpu-isa=avx2|avx512` (or PAGODA_TEST_CPU_ISA, which Bazel sets: one test
-target per build) runs the whole file against one build of the CPU kernels; a
+`--cpu-isa=avx2|avx512|avx512_bf16` (or PAGODA_TEST_CPU_ISA, which Bazel sets:
+one test target per build) runs the whole file against one build of the CPU
+kernels (avx512_bf16: the AVX512 build with its bf16 linear on VDPBF16PS); a
 build this CPU cannot run is skipped, not failed. The `device` fixture covers the CPU and, where torch sees
 a GPU and Pagoda's CUDA ops are loaded, CUDA.
 """

@@ -1,4 +1,6 @@
-"""linear against torch.nn.functional.linear in fp64."""
+"""linear against torch.nn.functional.linear in fp64, once per CPU kernel
+build: with --cpu-isa=avx512_bf16 (on a CPU with AVX512_BF16) bf16 runs on
+VDPBF16PS, with --cpu-isa=avx512 on the fp32-FMA fallback."""
 
 import pytest
 import torch
@@ -78,6 +80,55 @@ def test_linear_empty_dims(device):
     bias = torch.randn(6, device=device)
     torch.testing.assert_close(ops.linear(x, torch.empty(6, 0, device=device), bias), bias.expand(4, 6))
     assert ops.linear(torch.randn(4, 8, device=device), torch.empty(0, 8, device=device)).shape == (4, 0)
+
+
+def bf16_error_bound(x, weight, bias):
+    """Elementwise bound on |linear(x, weight, bias) - exact| for bf16 operands.
+
+    A product of two bf16 values (8-bit significands) is exact in fp32 (24
+    bits), on either path (VDPBF16PS or the fp32 FMAs), so the only errors are
+    the fp32 additions -- in any order at most (K + 1) * 2^-24 of the sum of
+    |x w| and |bias| -- and the final rounding to bf16 (half a unit in the last
+    place: at most 2^-8 relative). The reference is exact (fp64 from the same
+    bf16 operands), so any other error (a lost or doubled pair, a stray lane
+    past K) breaks the bound."""
+    k = x.shape[-1]
+    exact = ops.linear_reference(x.double(), weight.double(), None if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude += bias.double().abs()
+    return exact, 2**-8 * exact.abs() + (1 + 2**-8) * (k + 1) * 2**-24 * magnitude
+
+
+# Odd K, K around the 32-element step of VDPBF16PS and the 16/8 lanes of the
+# FMA path; 1 and 17 rows (tiles of 4 and a remainder); N not a multiple of
+# the 3-row block.
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 17])
+@pytest.mark.parametrize("k", [1, 2, 15, 31, 33, 64, 577])
+@pytest.mark.parametrize("n", [1, 4, 578])
+def test_linear_bf16_within_rounding(m, k, n, bias):
+    x, weight, b = make(m, k, n, torch.bfloat16, "cpu", bias=bias)
+    exact, bound = bf16_error_bound(x, weight, b)
+    error = (ops.linear(x, weight, b).double() - exact).abs()
+    assert (error <= bound).all(), f"{ops._C.cpu_isa()}: error {error.max()} at {error.argmax()}"
+
+
+def test_linear_bf16_strided_rows_within_rounding():
+    x = strided_rows(17, 333, torch.bfloat16, "cpu")
+    weight = (torch.randn(130, 333) / 18).bfloat16()
+    exact, bound = bf16_error_bound(x, weight, None)
+    assert ((ops.linear(x, weight).double() - exact).abs() <= bound).all()
+
+
+def test_linear_bf16_path(cpu_isa):
+    """The avx512_bf16 kernels multiply on VDPBF16PS, which treats a denormal
+    operand as zero (Intel SDM); the fp32-FMA path keeps the exact product. So
+    this tells which path ran: a check that the dispatch really switches."""
+    x = torch.tensor([[2.0**-130, 1.0]], dtype=torch.bfloat16)  # a bf16 denormal
+    weight = torch.tensor([[2.0**100, 0.0]], dtype=torch.bfloat16)
+    expected = 0.0 if cpu_isa == "avx512_bf16" else 2.0**-30
+    assert ops.linear(x, weight).item() == expected
 
 
 def test_linear_errors():

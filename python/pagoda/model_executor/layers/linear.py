@@ -34,7 +34,8 @@ from pagoda.model_executor.weight_utils import check_shape, default_weight_loade
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias. On the CPU, Pagoda's kernel where it measured
     faster than torch (tools/benchmarks/bench_cpu_linear.py): fp32 with 2 to 64
-    rows -- decode batches -- and bf16/fp16 always; torch's elsewhere (a lone
+    rows -- decode batches -- fp16 always, bf16 up to 64 rows (any number where
+    the CPU lacks AVX512_BF16); torch's elsewhere (a lone
     fp32 row is memory-bound either way; prefill is a large GEMM). A weight
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
     kernel, an FP8 one (fp8_scale set by quantize_linear_weights) to the FP8
@@ -46,9 +47,20 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias)
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type == "cpu" and (x.dtype != torch.float32 or 2 <= rows <= 64):
+    if x.device.type == "cpu" and (
+        x.dtype == torch.float16
+        or x.dtype == torch.float32 and 2 <= rows <= 64
+        or x.dtype == torch.bfloat16 and (rows <= 64 or not _TORCH_BF16_GEMM_FAST)
+    ):
         return ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Where the CPU has AVX512_BF16, torch's bf16 GEMM (oneDNN) multiplies on it as
+# Pagoda's kernel does and is faster above 64 rows (prefill: 300-430 against
+# 190-300 GFLOP/s on SmolLM2's shapes, docs/BENCHMARKS.md); without it torch's
+# bf16 runs at ~10 GFLOP/s and the kernel wins at any size.
+_TORCH_BF16_GEMM_FAST = "avx512_bf16" in ops._C.supported_cpu_isas()
 
 
 class LinearBase(nn.Module):
