@@ -74,7 +74,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def quantize_linear_weights(model: nn.Module) -> tuple[int, int]:
     """Quantizes the weight of every linear layer (pagoda's LinearBase) whose
     shape the FP8 GEMM takes, in place, one layer at a time (peak memory: the
-    model plus one layer's bf16 weight). Each weight becomes e4m3 with an
+    model plus one layer's fp32 temporaries, three copies of its weight in
+    fp32). Each weight becomes e4m3 with an
     `fp8_scale` attribute (fp32 [1, N]) that dense() dispatches on. Returns
     (layers quantized, layers left in the model's dtype)."""
     from pagoda.model_executor.layers.linear import LinearBase

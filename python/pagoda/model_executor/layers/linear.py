@@ -33,10 +33,10 @@ from pagoda.model_executor.weight_utils import check_shape, default_weight_loade
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias. On the CPU, Pagoda's kernel where it measured
-    faster than torch (tools/benchmarks/bench_cpu_linear.py): fp32 with 2 to 64
-    rows -- decode batches -- fp16 always, bf16 up to 64 rows (any number where
-    the CPU lacks AVX512_BF16); torch's elsewhere (a lone
-    fp32 row is memory-bound either way; prefill is a large GEMM). A weight
+    faster than torch (tools/benchmarks/bench_cpu_linear.py): fp32 with 2 to
+    64 rows -- decode batches -- fp16 always, bf16 up to 64 rows (any number
+    where the CPU lacks AVX512_BF16); torch's elsewhere (a lone fp32 row is
+    memory-bound either way; prefill is a large GEMM). A weight
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
     kernel, an FP8 one (fp8_scale set by quantize_linear_weights) to the FP8
     GEMM."""
