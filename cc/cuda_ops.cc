@@ -70,10 +70,16 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_cuda(key, "key");
   ReshapeAndCacheArgs a = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  // The float8 copy converts 16-byte words of 8 values.
+  TORCH_CHECK_VALUE(!a.kv_fp8 || (a.key.width % 8 == 0 && a.key.stride % 8 == 0 && a.value.stride % 8 == 0 &&
+                                  reinterpret_cast<uintptr_t>(a.key.data) % 16 == 0 &&
+                                  reinterpret_cast<uintptr_t>(a.value.data) % 16 == 0),
+                    "reshape_and_cache into a float8 cache needs rows of a multiple of 8 values, 16-byte aligned "
+                    "(key ", key.sizes(), " strides ", key.strides(), ")");
   const c10::cuda::CUDAGuard guard(key.device());
   check_launch(gpu::reshape_and_cache(a.key.data, a.key.stride, a.value.data, a.value.stride, a.key_cache,
                                       a.value_cache, a.slot_mapping, a.key.count, a.num_slots, a.key.width, a.dtype,
-                                      c10::cuda::getCurrentCUDAStream()),
+                                      a.kv_fp8, c10::cuda::getCurrentCUDAStream()),
                "reshape_and_cache");
 }
 
@@ -102,10 +108,15 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                     block_tables.sizes(), ", key_cache ", key_cache.sizes(), ")");
   const c10::cuda::CUDAGuard guard(query.device());
   const int device = query.get_device();
+  const int capability = 10 * device_attribute(cudaDevAttrComputeCapabilityMajor, device) +
+                         device_attribute(cudaDevAttrComputeCapabilityMinor, device);
+  // The kernel widens e4m3 pairs with one instruction that sm_89 introduced.
+  TORCH_CHECK_VALUE(!a.kv_fp8 || capability >= 89, "paged_attention: a float8 KV cache needs a GPU of CUDA capability "
+                    "8.9 or newer (Ada, Hopper), this one is ", capability / 10, ".", capability % 10);
   const PagedAttentionParams p = paged_attention_params(a, scale);
   const gpu::PagedAttentionPlan plan =
       gpu::plan_paged_attention(p, device_attribute(cudaDevAttrMultiProcessorCount, device),
-                                device_attribute(cudaDevAttrComputeCapabilityMajor, device));
+                                capability / 10);
   TORCH_CHECK_VALUE(plan.error == nullptr, "paged_attention: ", plan.error, " (query ", query.sizes(), ", key_cache ",
                     key_cache.sizes(), ")");
   // Split-K scratch; under graph capture this comes from the graph's pool.

@@ -44,7 +44,9 @@ struct PagedAttentionParams {
   int64_t head_size;
   int64_t block_size;
   float scale;  // softmax(scale * q.k)
-  DType dtype;  // of out, query and both caches
+  DType dtype;  // of out, query and (unless kv_fp8) both caches
+  // The caches hold float8 e4m3 with unit scale (GPU tensor-core kernel only).
+  bool kv_fp8 = false;
 };
 
 }  // namespace pagoda

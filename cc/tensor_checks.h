@@ -307,7 +307,23 @@ inline void check_kv_cache(const at::Tensor& cache, const char* name) {
 inline void check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   check_kv_cache(key_cache, "key_cache");
   check_same_shape(value_cache, "value_cache", key_cache, "key_cache");
+  check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   check_kv_cache(value_cache, "value_cache");
+}
+
+// Whether a KV cache holds float8 e4m3 (unit scale; --kv-cache-dtype fp8):
+// else it must hold `ref`'s dtype. Only bf16/fp16 K/V go to fp8 (the kernels
+// widen it to fp16 for the tensor cores).
+inline bool check_kv_cache_dtype(const at::Tensor& cache, const char* name, const at::Tensor& ref,
+                                 const char* ref_name) {
+  check_same_device(cache, name, ref, ref_name);
+  if (cache.scalar_type() != at::kFloat8_e4m3fn) {
+    check_same_dtype(cache, name, ref, ref_name);
+    return false;
+  }
+  TORCH_CHECK_TYPE(ref.scalar_type() != at::kFloat, "a float8 ", name, " needs bfloat16 or float16 ", ref_name,
+                   ", got float32");
+  return true;
 }
 
 // A contiguous 1-D index tensor of `size` elements of type `type` (named
@@ -326,7 +342,8 @@ struct ReshapeAndCacheArgs {
   void* value_cache;
   const int64_t* slot_mapping;
   int64_t num_slots;  // num_blocks * block_size
-  DType dtype;
+  DType dtype;        // of key and value
+  bool kv_fp8;        // the caches hold float8 e4m3
 };
 
 inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
@@ -334,8 +351,7 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const 
                                                    const at::Tensor& slot_mapping) {
   const DType dtype = kernel_dtype(key, "key");
   check_float_op(value, "value", key, "key");
-  check_float_op(key_cache, "key_cache", key, "key");
-  check_float_op(value_cache, "value_cache", key, "key");
+  const bool kv_fp8 = check_kv_cache_dtype(key_cache, "key_cache", key, "key");
   check_same_device(slot_mapping, "slot_mapping", key, "key");
   Rows k = as_token_heads(key, "key");
   check_same_shape(value, "value", key, "key");
@@ -351,7 +367,8 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const 
                              value_cache.data_ptr(),
                              slot_mapping.data_ptr<int64_t>(),
                              key_cache.size(0) * key_cache.size(1),
-                             dtype};
+                             dtype,
+                             kv_fp8};
 }
 
 struct PagedAttentionArgs {
@@ -364,6 +381,7 @@ struct PagedAttentionArgs {
   const int32_t* query_start_loc;
   int64_t num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq;
   DType dtype;
+  bool kv_fp8;
 };
 
 inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at::Tensor& query,
@@ -372,8 +390,7 @@ inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at:
                                                 const at::Tensor& query_start_loc) {
   const DType dtype = kernel_dtype(query, "query");
   check_float_op(out, "out", query, "query");
-  check_float_op(key_cache, "key_cache", query, "query");
-  check_float_op(value_cache, "value_cache", query, "query");
+  const bool kv_fp8 = check_kv_cache_dtype(key_cache, "key_cache", query, "query");
   check_same_device(block_tables, "block_tables", query, "query");
   check_same_device(seq_lens, "seq_lens", query, "query");
   check_same_device(query_start_loc, "query_start_loc", query, "query");
@@ -412,7 +429,8 @@ inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at:
                             key_cache.size(0),
                             key_cache.size(1),
                             block_tables.size(1),
-                            dtype};
+                            dtype,
+                            kv_fp8};
 }
 
 // What the CPU and GPU kernels take, from checked arguments.
@@ -438,6 +456,7 @@ inline PagedAttentionParams paged_attention_params(const PagedAttentionArgs& a, 
   p.block_size = a.block_size;
   p.scale = static_cast<float>(scale);
   p.dtype = a.dtype;
+  p.kv_fp8 = a.kv_fp8;
   return p;
 }
 

@@ -60,10 +60,13 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& query, const 
                                  a.dtype, a.cache_dtype);
 }
 
+constexpr const char* kFp8CacheOnGpu = "a float8 KV cache is supported on CUDA GPUs only";
+
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_cpu(key, "key");
   ReshapeAndCacheArgs a = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK_VALUE(!a.kv_fp8, kFp8CacheOnGpu);
   // The kernel writes row slot_mapping[t] of the cache: reject slots past its
   // end here (negative slots mark padding tokens and are skipped).
   for (int64_t t = 0; t < a.key.count; ++t) {
@@ -80,6 +83,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   check_cpu(query, "query");
   PagedAttentionArgs a =
       check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK_VALUE(!a.kv_fp8, kFp8CacheOnGpu);
   check_paged_attention_metadata(a);
   cpu_kernels().paged_attention(paged_attention_params(a, scale));
 }

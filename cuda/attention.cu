@@ -41,6 +41,12 @@
 // - SIMT (everything else: fp32, other head and block sizes, unaligned rows,
 //   ROCm): a 128-thread CTA walks 32-key tiles through shared memory.
 //
+// A float8 cache (e4m3, unit scale; --kv-cache-dtype fp8, sm_89+) goes to the
+// tensor-core kernel only: it loads half the bytes and widens each pair of
+// e4m3 values to fp16 exactly (one cvt), and multiplies in fp16 -- Q is
+// rounded to fp16 once, the probabilities to fp16 instead of bf16. Decode
+// reads the cache at memory speed, so half the bytes is about half the time.
+//
 // Numerics follow the CPU kernel: fp32 scores (q . k, then * scale), online
 // softmax in fp32 (exp2 of log2-scaled scores), fp32 accumulation, one
 // rounding of the output. The tensor-core path also rounds the probabilities
@@ -111,6 +117,7 @@ struct Args {
   int heads_per_cta;
   int partition_size;
   int num_partitions;
+  bool kv_fp8;  // the caches hold e4m3 (tensor-core kernel only)
 };
 
 // The sequence that owns query row `token`: the s with query_start_loc[s] <=
@@ -204,6 +211,36 @@ __device__ __forceinline__ void load_stream(uint32_t* w, const void* p) {
   } else {
     static_assert(B == 4, "16, 8 or 4 bytes");
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+  }
+}
+
+// Two e4m3 values (low byte first) as fp16x2 (low half first), exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+#else
+  __trap();  // the host refuses a float8 cache below sm_89
+#endif
+  return r;
+}
+
+// What load_stream<B> gives for a 16-bit cache -- B / 4 words of value
+// pairs -- read from a float8 cache: B / 2 bytes, widened to fp16 pairs.
+template <int B>
+__device__ __forceinline__ void load_stream_e4m3(uint32_t* w, const void* p) {
+  if constexpr (B == 4) {
+    uint16_t x;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
+    w[0] = e4m3x2_to_f16x2(x);
+  } else {
+    uint32_t raw[B / 8];
+    load_stream<B / 2>(raw, p);
+#pragma unroll
+    for (int i = 0; i < B / 8; ++i) {
+      w[2 * i] = e4m3x2_to_f16x2(static_cast<uint16_t>(raw[i] & 0xffffu));
+      w[2 * i + 1] = e4m3x2_to_f16x2(static_cast<uint16_t>(raw[i] >> 16));
+    }
   }
 }
 
@@ -359,12 +396,16 @@ constexpr int kMmaMinCtas = D <= 128 ? 4 : 2;
 // the online-softmax state it leaves behind. acc[i][0] / [2]: head 2t, the low
 // / high dim of PV word i; [1] / [3]: head 2t + 1. m and l are per head
 // (2t, 2t + 1); l is reduced over the warp, m is already warp-uniform.
-template <typename T, int D>
+//
+// Fp8: the caches hold e4m3, and the products run in fp16 (q is fp16 too).
+template <typename T, int D, bool Fp8>
 __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
                                            const uint32_t* q, int k_begin,
                                            int k_end, float (&acc)[D / 16][4],
                                            float (&m)[2], float (&l)[2]) {
   using L = Layout<D>;
+  using C = std::conditional_t<Fp8, uint8_t, T>;  // a cache element
+  using M = std::conditional_t<Fp8, __half, T>;   // the products' type
   const int lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -385,10 +426,18 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
                                : 0;
 
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
-  const T* key_cache =
-      static_cast<const T*>(a.key_cache) + static_cast<int64_t>(it.kv_head) * D;
-  const T* value_cache = static_cast<const T*>(a.value_cache) +
+  const C* key_cache =
+      static_cast<const C*>(a.key_cache) + static_cast<int64_t>(it.kv_head) * D;
+  const C* value_cache = static_cast<const C*>(a.value_cache) +
                          static_cast<int64_t>(it.kv_head) * D;
+  // `bytes`: the chunk's size at 16 bits a value.
+  auto load_chunk = [](auto bytes, uint32_t* w, const C* p) {
+    if constexpr (Fp8) {
+      load_stream_e4m3<decltype(bytes)::value>(w, p);
+    } else {
+      load_stream<decltype(bytes)::value>(w, p);
+    }
+  };
 
   for (int k = k_begin; k < k_end; k += 16) {
     // The step's 16 keys lie in one block (block_size % 16 == 0).
@@ -401,7 +450,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     // Keys past the range are masked; their rows are read from the last valid
     // key so that every load stays inside real data.
     const int last = k_end - 1 - k;
-    auto row_ptr = [&](const T* cache, int j) {
+    auto row_ptr = [&](const C* cache, int j) {
       return cache + (row0 + min(j, last)) * kv_row;
     };
 
@@ -409,17 +458,17 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     uint32_t vw[4][L::kTiles];    // value rows k + 2t, +1, +8, +9
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const T* p = row_ptr(key_cache, g + 8 * r);
+      const C* p = row_ptr(key_cache, g + 8 * r);
       for_qk_chunks<D>(t, [&](auto bytes, int dim, int word) {
-        load_stream<decltype(bytes)::value>(kw[r] + word, p + dim);
+        load_chunk(bytes, kw[r] + word, p + dim);
       });
     }
     auto load_values = [&]() {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const T* p = row_ptr(value_cache, 2 * t + (r & 1) + 8 * (r >> 1));
+        const C* p = row_ptr(value_cache, 2 * t + (r & 1) + 8 * (r >> 1));
         for_pv_chunks<D>(g, [&](auto bytes, int dim, int word) {
-          load_stream<decltype(bytes)::value>(vw[r] + word, p + dim);
+          load_chunk(bytes, vw[r] + word, p + dim);
         });
       }
     };
@@ -430,7 +479,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < L::kTiles; ++i) {
-      mma<T>(s, kw[0][2 * i], kw[1][2 * i], kw[0][2 * i + 1],
+      mma<M>(s, kw[0][2 * i], kw[1][2 * i], kw[0][2 * i + 1],
              kw[1][2 * i + 1], q[2 * i], q[2 * i + 1]);
     }
     const bool valid0 = g <= last, valid1 = g + 8 <= last;
@@ -464,14 +513,14 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     }
     // P^T, the B operand of O^T = V^T P^T: (keys 2t, 2t+1 | 2t+8, 2t+9) x
     // head g, by transposing (key g | g+8) x heads (2t, 2t+1).
-    const uint32_t pb0 = transpose8x8(pack2<T>(p0, p1));
-    const uint32_t pb1 = transpose8x8(pack2<T>(p2, p3));
+    const uint32_t pb0 = transpose8x8(pack2<M>(p0, p1));
+    const uint32_t pb1 = transpose8x8(pack2<M>(p2, p3));
 
     if constexpr (!kLoadKvTogether<D>) load_values();
     // V^T tiles: row g / g + 8 = the low / high dim of word i, columns = keys.
 #pragma unroll
     for (int i = 0; i < L::kTiles; ++i) {
-      mma<T>(acc[i], __byte_perm(vw[0][i], vw[1][i], 0x5410),
+      mma<M>(acc[i], __byte_perm(vw[0][i], vw[1][i], 0x5410),
              __byte_perm(vw[0][i], vw[1][i], 0x7632),
              __byte_perm(vw[2][i], vw[3][i], 0x5410),
              __byte_perm(vw[2][i], vw[3][i], 0x7632), pb0, pb1);
@@ -499,7 +548,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
 // share of the partition's 16-key steps, then the warps' results are merged
 // through shared memory (so a decode batch needs no split across CTAs, and no
 // merge kernel, to keep every multiprocessor busy).
-template <typename T, int D>
+template <typename T, int D, bool Fp8>
 __global__ void __launch_bounds__(32 * kMmaWarps, kMmaMinCtas<D>)
     attention_mma_kernel(const Args a) {
   using L = Layout<D>;
@@ -522,9 +571,15 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaMinCtas<D>)
     for_qk_chunks<D>(t, [&](auto bytes, int dim, int word) {
       constexpr int B = decltype(bytes)::value;
       load_words<B>(q + word, qrow + dim);
-      if (!has_head) {
 #pragma unroll
-        for (int j = 0; j < B / 4; ++j) q[word + j] = 0;
+      for (int j = 0; j < B / 4; ++j) {
+        if (!has_head) {
+          q[word + j] = 0;
+        } else if constexpr (Fp8 && !std::is_same_v<T, __half>) {
+          const uint32_t w = q[word + j];  // bf16 pair -> fp16 pair
+          q[word + j] = pack2<__half>(__uint_as_float(w << 16),
+                                      __uint_as_float(w & 0xffff0000u));
+        }
       }
     });
   }
@@ -536,7 +591,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaMinCtas<D>)
   const int k_begin = min(it.k_begin + 16 * share * warp, it.k_end);
   const int k_end = min(k_begin + 16 * share, it.k_end);
   float acc[L::kTiles][4], m[2], l[2];
-  mma_attend<T, D>(a, it, q, k_begin, k_end, acc, m, l);
+  mma_attend<T, D, Fp8>(a, it, q, k_begin, k_end, acc, m, l);
 
   // Merge the warps: out = sum_w 2^(m_w - M) acc_w / sum_w 2^(m_w - M) l_w.
 #pragma unroll
@@ -873,6 +928,7 @@ Args make_args(const PagedAttentionParams& p, const PagedAttentionPlan& plan,
   a.slices = static_cast<int>(ceil_div(a.group, plan.heads_per_cta));
   a.partition_size = static_cast<int>(plan.partition_size);
   a.num_partitions = static_cast<int>(plan.num_partitions);
+  a.kv_fp8 = p.kv_fp8;
   return a;
 }
 
@@ -885,9 +941,15 @@ void launch_attention(const Args& a, const PagedAttentionPlan& plan,
   if constexpr (!std::is_same_v<T, float>) {
     if (plan.kernel == kMmaKernel) {
       switch (a.head_size) {
-#define PAGODA_CASE(D)                                                  \
-  case D:                                                               \
-    attention_mma_kernel<T, D><<<grid, 32 * kMmaWarps, 0, stream>>>(a); \
+#define PAGODA_CASE(D)                              \
+  case D:                                           \
+    if (a.kv_fp8) {                                 \
+      attention_mma_kernel<T, D, true>              \
+          <<<grid, 32 * kMmaWarps, 0, stream>>>(a); \
+    } else {                                        \
+      attention_mma_kernel<T, D, false>             \
+          <<<grid, 32 * kMmaWarps, 0, stream>>>(a); \
+    }                                               \
     return;
         PAGODA_CASE(64)
         PAGODA_CASE(80)
@@ -942,6 +1004,13 @@ PagedAttentionPlan plan_paged_attention(const PagedAttentionParams& p,
   }
   const int64_t group = p.num_heads / p.num_kv_heads;
   const bool mma = use_mma(p, compute_capability_major);
+  if (p.kv_fp8 && !mma) {
+    plan.error =
+        "a float8 KV cache needs the tensor-core kernel: bf16/fp16, head size "
+        "64/80/96/128/256, a block size that is a multiple of 16, 16-byte "
+        "aligned rows";
+    return plan;
+  }
   int64_t cap = kMaxHeadsPerCta;
   if (!mma) {
     const int64_t fit =

@@ -44,7 +44,7 @@ cudaError_t reshape_and_cache(const void* key, int64_t key_stride,
                               void* key_cache, void* value_cache,
                               const int64_t* slot_mapping, int64_t num_tokens,
                               int64_t num_slots, int64_t row_width,
-                              DType dtype, cudaStream_t stream);
+                              DType dtype, bool to_fp8, cudaStream_t stream);
 
 // How paged_attention splits its work (cuda/attention.cu), decided from
 // shapes alone -- tensor sizes, the device's multiprocessor count and compute

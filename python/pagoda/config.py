@@ -22,6 +22,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "fp8", "none")
+# "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): float8 e4m3
+# with unit scale, half the bytes a decode step reads.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Head sizes the GPU tensor-core attention kernel (the one that reads fp8) covers.
+FP8_KV_HEAD_SIZES = (64, 80, 96, 128, 256)
 GiB = 1 << 30
 
 
@@ -235,8 +240,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # GPU: the share of the device's memory this engine may use (weights, activations, KV cache).
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if (
             not isinstance(self.gpu_memory_utilization, (int, float))
             or isinstance(self.gpu_memory_utilization, bool)
@@ -253,6 +261,24 @@ class CacheConfig:
             not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 1
         ):
             raise ValueError(f"num_gpu_blocks_override must be a positive int, got {self.num_gpu_blocks_override!r}")
+
+    def kv_cache_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The KV cache's element type for this model; ValueError (naming
+        what to change) where the fp8 cache cannot run."""
+        if self.kv_cache_dtype == "auto":
+            return model_config.torch_dtype
+        what = f"kv_cache_dtype={self.kv_cache_dtype!r}"
+        if model_config.device.type != "cuda":
+            raise ValueError(f"{what} needs a CUDA GPU (its attention kernels are CUDA's); use 'auto' on {model_config.device}")
+        capability = torch.cuda.get_device_capability(model_config.device)
+        if capability < (8, 9):
+            raise ValueError(f"{what} needs a GPU of CUDA capability 8.9+ (Ada, Hopper), "
+                             f"this one has {capability[0]}.{capability[1]}")
+        if model_config.torch_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{what} needs dtype bfloat16 or float16, got {model_config.torch_dtype}: pass --dtype bfloat16")
+        if self.block_size % 16:
+            raise ValueError(f"{what} needs a block_size that is a multiple of 16, got {self.block_size}")
+        return torch.float8_e4m3fn  # the model runner checks the head size (FP8_KV_HEAD_SIZES)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -47,6 +47,11 @@ def test_fp8_configuration_errors(make_checkpoint):
         LLM(folder, device="cpu", dtype="float32", quantization="fp8", kv_cache_space=0.01)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(folder, device="cpu", dtype="bfloat16", quantization="int3", kv_cache_space=0.01)
+    # The float8 KV cache's kernels are CUDA's (tests/ops/test_fp8_kv_cache.py, tests/gpu).
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a CUDA GPU"):
+        LLM(folder, device="cpu", dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_space=0.01)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(folder, device="cpu", kv_cache_dtype="int8", kv_cache_space=0.01)
 
 
 def test_fp8_two_ranks_follow_one(make_checkpoint):

@@ -9,7 +9,8 @@ block size 16, the cache blocks scattered at random. Bytes moved = K and V
 read once + q read + out written; the achieved bytes/s is reported as a
 fraction of the copy bandwidth, beside torch SDPA (dense K/V of the same
 shapes, q_len 1, is_causal=False, enable_gqa) and flex attention (when it
-compiles here). Each timed call reads a different copy of the K/V data, so
+compiles here), and the same cache in float8 e4m3 (--kv-cache-dtype fp8:
+half the K/V bytes, its speed-up over bf16). Each timed call reads a different copy of the K/V data, so
 nothing is served from L2.
 
   python3 tools/build_ext.py && \\
@@ -109,6 +110,14 @@ def bench_case(model, batch, context, copy_bps, flex):
     ms = time_per_call_ms([lambda p=p, o=o: ops.paged_attention(**p, out=o) for (p, _), o in zip(copies, outs)])
     row.update(pagoda_us=ms * 1e3, pagoda_tb_per_s=nbytes / ms / 1e9, pagoda_of_copy=nbytes / (ms * 1e-3) / copy_bps)
 
+    # The same cache in float8 e4m3 (--kv-cache-dtype fp8): half the K/V bytes.
+    fp8 = [dict(p, key_cache=p["key_cache"].to(torch.float8_e4m3fn), value_cache=p["value_cache"].to(torch.float8_e4m3fn))
+           for p, _ in copies]
+    fp8_bytes = kv_bytes // 2 + 2 * batch * num_heads * head_size * DTYPE.itemsize
+    ms_fp8 = time_per_call_ms([lambda p=p, o=o: ops.paged_attention(**p, out=o) for p, o in zip(fp8, outs)])
+    row.update(fp8_us=ms_fp8 * 1e3, fp8_of_copy=fp8_bytes / (ms_fp8 * 1e-3) / copy_bps, fp8_speedup=ms / ms_fp8)
+    del fp8
+
     # The same data, dense: q [batch, heads, 1, head_size].
     dense = [(p["query"].unsqueeze(2), k, v) for p, (k, v) in copies]
     scale = copies[0][0]["scale"]
@@ -145,11 +154,13 @@ def main() -> None:
     print(f"{device}, torch {torch.__version__}: copy {copy_bps / 1e12:.2f} TB/s (read + write); "
           f"paged decode attention, bf16, block {BLOCK_SIZE}; bytes = K + V + q + out")
     print(f"{'model':<14}{'batch':>6}{'ctx':>7}{'MB':>7}{'pagoda us':>11}{'TB/s':>7}{'of copy':>9}"
-          f"{'sdpa us':>10}{'of copy':>9}{'flex us':>10}{'of copy':>9}{'max diff':>10}")
+          f"{'fp8 us':>9}{'of copy':>9}{'x bf16':>8}{'sdpa us':>10}{'of copy':>9}{'flex us':>10}{'of copy':>9}"
+          f"{'max diff':>10}")
     for r in rows:
         flex_us = f"{r['flex_us']:>10.1f}{r['flex_of_copy']:>9.0%}" if "flex_us" in r else f"{'-':>10}{'-':>9}"
         print(f"{r['model']:<14}{r['batch']:>6}{r['context']:>7}{r['bytes'] / 1e6:>7.0f}{r['pagoda_us']:>11.1f}"
-              f"{r['pagoda_tb_per_s']:>7.2f}{r['pagoda_of_copy']:>9.0%}{r['sdpa_us']:>10.1f}{r['sdpa_of_copy']:>9.0%}"
+              f"{r['pagoda_tb_per_s']:>7.2f}{r['pagoda_of_copy']:>9.0%}{r['fp8_us']:>9.1f}{r['fp8_of_copy']:>9.0%}"
+              f"{r['fp8_speedup']:>7.2f}x{r['sdpa_us']:>10.1f}{r['sdpa_of_copy']:>9.0%}"
               f"{flex_us}{r['max_abs_diff_vs_sdpa']:>10.2e}")
     errors = {r.get("flex_error") for r in rows} - {None}
     for error in errors:

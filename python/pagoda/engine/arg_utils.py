@@ -30,6 +30,7 @@ class EngineArgs:
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
+    kv_cache_dtype: str = "auto"  # "fp8": float8 e4m3 KV cache (GPUs of CUDA capability 8.9+)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; None: uni for one rank, else mp
     num_gpu_blocks_override: int | None = None
@@ -56,8 +57,9 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override, enable_prefix_caching=self.enable_prefix_caching,
-            gpu_memory_utilization=self.gpu_memory_utilization,
+            gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_dtype=self.kv_cache_dtype,
         )
+        cache_config.kv_cache_torch_dtype(model_config)  # an impossible fp8 cache fails before any weight loads
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             scheduling_policy=self.scheduling_policy, async_scheduling=self.async_scheduling,

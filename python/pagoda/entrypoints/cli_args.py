@@ -8,7 +8,7 @@ import argparse
 import json
 from dataclasses import fields
 
-from pagoda.config import EXECUTOR_BACKENDS, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES
+from pagoda.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES
 from pagoda.engine.arg_utils import EngineArgs
 
 ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
@@ -91,6 +91,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--kv-cache-space", type=positive_float, help="CPU KV cache in GiB")
     flag("--gpu-memory-utilization", type=positive_float,
          help="GPU: share of the device memory for weights and KV cache")
+    flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+         help="auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 with unit scale, half the bytes per "
+              "token (GPUs of CUDA capability 8.9+, bfloat16/float16 models)")
     flag("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     flag("--async-scheduling", action=argparse.BooleanOptionalAction,
          help="queue each step before reading the previous one's tokens, overlapping host and "

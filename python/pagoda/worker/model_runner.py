@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pagoda.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagoda.config import FP8_KV_HEAD_SIZES, CacheConfig, ModelConfig, SchedulerConfig
 from pagoda.core.scheduler import SchedulerOutput
 from pagoda.forward_context import set_forward_context
 from pagoda.logger import init_logger
@@ -36,6 +36,7 @@ class ModelRunner(abc.ABC):
         self.model_config, self.cache_config, self.scheduler_config = model_config, cache_config, scheduler_config
         self.device = model_config.device
         self.dtype = model_config.torch_dtype
+        self.kv_cache_dtype = cache_config.kv_cache_torch_dtype(model_config)
         self.block_size = cache_config.block_size
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
@@ -55,6 +56,10 @@ class ModelRunner(abc.ABC):
                 f"load_format={model_config.load_format}): {weights_bytes / 2**30:.2f} GiB"
             )
         self.attention_layers = attention_layers(self.model)
+        head_sizes = {layer.head_size for layer in self.attention_layers}
+        if self.kv_cache_dtype == torch.float8_e4m3fn and not head_sizes <= set(FP8_KV_HEAD_SIZES):
+            raise ValueError(f"kv_cache_dtype={cache_config.kv_cache_dtype!r} needs head sizes in {FP8_KV_HEAD_SIZES}, "
+                             f"this model's are {sorted(head_sizes)}: use kv_cache_dtype='auto'")
         self.input_buffers = InputBuffers(
             self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.block_size, self.device
         )
@@ -64,7 +69,7 @@ class ModelRunner(abc.ABC):
             self.initialize_kv_cache(self.num_blocks)
             details.append(
                 f"{self.num_blocks} blocks of {self.block_size} tokens = {self.num_blocks * self.block_size} tokens "
-                f"({self.num_blocks * self.block_bytes() / 2**30:.2f} GiB)"
+                f"({self.num_blocks * self.block_bytes() / 2**30:.2f} GiB, {str(self.kv_cache_dtype).removeprefix('torch.')})"
             )
         self.capture_model()
         logger.info(
@@ -110,7 +115,7 @@ class ModelRunner(abc.ABC):
 
     def block_bytes(self) -> int:
         """Bytes of one KV cache block over all layers (keys and values)."""
-        element = self.dtype.itemsize
+        element = self.kv_cache_dtype.itemsize
         return sum(2 * self.block_size * layer.num_kv_heads * layer.head_size * element for layer in self.attention_layers)
 
     def max_useful_blocks(self) -> int:
@@ -127,7 +132,7 @@ class ModelRunner(abc.ABC):
         caches = []
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            caches.append(tuple(alloc(shape, dtype=self.dtype, device=self.device) for _ in range(2)))
+            caches.append(tuple(alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(2)))
         bind_kv_caches(self.model, caches)
 
     def capture_model(self) -> None:

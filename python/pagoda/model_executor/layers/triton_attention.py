@@ -99,6 +99,9 @@ def _attend_tile(
             k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
 
+    # A float8 cache is widened to the query's dtype (exactly); else a no-op.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = _dot(q, k, WIDEN, PRECISION) * qk_scale  # fp32 scores, in base 2
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
@@ -251,8 +254,9 @@ def _check(query, key_cache, value_cache, block_tables, seq_lens, query_start_lo
                          f"got shape {tuple(query.shape)}, strides {query.stride()}")
     if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"query must be float32, bfloat16 or float16, got {query.dtype}")
+    fp8_cache = key_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
-        if t.dtype != query.dtype:
+        if t.dtype != query.dtype and not (fp8_cache and t is not out and t.dtype == torch.float8_e4m3fn):
             raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query is on {query.device}; all must be on one device")
