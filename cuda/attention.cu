@@ -246,7 +246,10 @@ __device__ __forceinline__ void load_stream_e4m3(uint32_t* w, const void* p) {
 
 template <int B>
 __device__ __forceinline__ void load_words(uint32_t* w, const void* p) {
-  if constexpr (B == 16) {
+  if constexpr (B == 32) {
+    load_words<16>(w, p);
+    load_words<16>(w + 4, static_cast<const uint4*>(p) + 1);
+  } else if constexpr (B == 16) {
     const uint4 u = *static_cast<const uint4*>(p);
     w[0] = u.x;
     w[1] = u.y;
@@ -333,42 +336,44 @@ using Bytes = std::integral_constant<int, B>;
 //     2t+8, 2t+9, lane g holds 8 dims (16 bytes) per 64: dims 64c + 8g + 2w,
 //     +1 are word 4c + w, and word i is tile i (its low dim on row g, its high
 //     dim on row g + 8). Remainders of 32 and 16 dims take 8 and 4 bytes.
+// A float8 cache doubles the groups (QK 16 dims per lane per 64, PV 16 per
+// 128), so that its loads are 16 bytes too; any such assignment works, as
+// long as Q, K, V and the output use the same one.
 template <int D>
 struct Layout {
   static_assert(D % 16 == 0 && D >= 16, "head size: a multiple of 16");
-  static constexpr int kQk16 = D / 32;
-  static constexpr int kQk8 = (D % 32) / 16;
-  static constexpr int kPv16 = D / 64;
-  static constexpr int kPv8 = (D % 64) / 32;
-  static constexpr int kPv4 = (D % 32) / 16;
   static constexpr int kQkWords = D / 8;   // per row, per lane
   static constexpr int kTiles = D / 16;    // QK k-steps = PV tiles = PV words
 };
 
-// f(Bytes<B>, first dim, first word) for each QK chunk of lane t.
-template <int D, typename F>
-__device__ __forceinline__ void for_qk_chunks(int t, F&& f) {
-  using L = Layout<D>;
+// f(Bytes<B>, first dim, first word) for each chunk of `lane` (of Lanes) over
+// the D dims from Dim0: whole groups of Group dims, each lane taking Group /
+// Lanes consecutive dims of each (B = 2 bytes a dim: the chunk's size in
+// 16-bit values), then what remains in groups half as large.
+template <int D, int Group, int Lanes, int Dim0 = 0, typename F>
+__device__ __forceinline__ void for_chunks(int lane, F& f) {
+  constexpr int kPerLane = Group / Lanes;
+  static_assert(kPerLane >= 2, "a chunk holds at least one word");
 #pragma unroll
-  for (int c = 0; c < L::kQk16; ++c) f(Bytes<16>(), 32 * c + 8 * t, 4 * c);
-  if constexpr (L::kQk8 != 0) {
-    f(Bytes<8>(), 32 * L::kQk16 + 4 * t, 4 * L::kQk16);
+  for (int c = 0; c < D / Group; ++c) {
+    const int first = Dim0 + Group * c;
+    f(Bytes<2 * kPerLane>(), first + kPerLane * lane, first / Lanes / 2);
+  }
+  if constexpr (D % Group != 0) {
+    for_chunks<D % Group, Group / 2, Lanes, Dim0 + D / Group * Group>(lane, f);
   }
 }
 
-// f(Bytes<B>, first dim, first word) for each PV chunk of lane g.
-template <int D, typename F>
+// Each QK chunk of lane t.
+template <int D, bool Fp8, typename F>
+__device__ __forceinline__ void for_qk_chunks(int t, F&& f) {
+  for_chunks<D, Fp8 ? 64 : 32, 4>(t, f);
+}
+
+// Each PV chunk of lane g.
+template <int D, bool Fp8, typename F>
 __device__ __forceinline__ void for_pv_chunks(int g, F&& f) {
-  using L = Layout<D>;
-#pragma unroll
-  for (int c = 0; c < L::kPv16; ++c) f(Bytes<16>(), 64 * c + 8 * g, 4 * c);
-  if constexpr (L::kPv8 != 0) {
-    f(Bytes<8>(), 64 * L::kPv16 + 4 * g, 4 * L::kPv16);
-  }
-  if constexpr (L::kPv4 != 0) {
-    f(Bytes<4>(), 64 * L::kPv16 + 32 * L::kPv8 + 2 * g,
-      4 * L::kPv16 + 2 * L::kPv8);
-  }
+  for_chunks<D, Fp8 ? 128 : 64, 8>(g, f);
 }
 
 // Block ids of blocks base .. base + 31 of a sequence, one per lane (0 past
@@ -459,7 +464,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const C* p = row_ptr(key_cache, g + 8 * r);
-      for_qk_chunks<D>(t, [&](auto bytes, int dim, int word) {
+      for_qk_chunks<D, Fp8>(t, [&](auto bytes, int dim, int word) {
         load_chunk(bytes, kw[r] + word, p + dim);
       });
     }
@@ -467,7 +472,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const C* p = row_ptr(value_cache, 2 * t + (r & 1) + 8 * (r >> 1));
-        for_pv_chunks<D>(g, [&](auto bytes, int dim, int word) {
+        for_pv_chunks<D, Fp8>(g, [&](auto bytes, int dim, int word) {
           load_chunk(bytes, vw[r] + word, p + dim);
         });
       }
@@ -568,7 +573,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaMinCtas<D>)
     const T* qrow = static_cast<const T*>(a.query) +
                     it.token * a.query_stride +
                     static_cast<int64_t>(it.head0 + (has_head ? g : 0)) * D;
-    for_qk_chunks<D>(t, [&](auto bytes, int dim, int word) {
+    for_qk_chunks<D, Fp8>(t, [&](auto bytes, int dim, int word) {
       constexpr int B = decltype(bytes)::value;
       load_words<B>(q + word, qrow + dim);
 #pragma unroll
@@ -599,7 +604,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, kMmaMinCtas<D>)
     const int head = 2 * t + h;
     if (head >= it.num_heads) continue;
     float* dst = acc_s[warp][head];
-    for_pv_chunks<D>(g, [&](auto bytes, int dim, int word) {
+    for_pv_chunks<D, Fp8>(g, [&](auto bytes, int dim, int word) {
 #pragma unroll
       for (int j = 0; j < decltype(bytes)::value / 4; ++j) {
         dst[dim + 2 * j] = acc[word + j][h];
