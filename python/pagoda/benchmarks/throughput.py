@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
+from pagoda.benchmarks.peers import add_compare_args, check_fixed_lengths, check_gguf, llama_cpp_binary, run_llama_cpp
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
 
 # An array of records without end: a request stays inside it (strings, digits,
@@ -39,6 +40,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="every request's output follows a JSON schema (xgrammar; needs a tokenizer)")
     parser.add_argument("--output-json", default=None, help="write the results here")
     parser.add_argument("--disable-tqdm", action="store_true")
+    add_compare_args(parser)
 
 
 def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_tokens: int) -> dict:
@@ -89,6 +91,8 @@ def main(args: argparse.Namespace) -> dict:
     vocab, special = model_config.hf_config.vocab_size, special_token_ids(model_config.hf_config)
     requests = sample_requests(args, spec, vocab, special)
     verify_fits(requests, model_config.max_model_len)
+    if "llama.cpp" in args.compare:  # checked before the timed run
+        llama_cpp = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config), *check_fixed_lengths(requests)
     # Short (fits wherever the first request fits), of other random tokens.
     prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
@@ -97,6 +101,11 @@ def main(args: argparse.Namespace) -> dict:
     figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
                                   structured=args.structured_output is not None)
     results = dict(pagoda=figures)
+    if "llama.cpp" in args.compare:
+        binary, gguf, peer_in, peer_out = llama_cpp
+        n = len(requests)
+        peer = run_llama_cpp(binary, gguf, n, peer_in, peer_out, torch.get_num_threads(), args.compare_runs)
+        results["llama.cpp"] = dict(summarize(peer["elapsed_time"], n, n * peer_in, n * peer_out), **peer)
     # The baseline gets the same tokens (text prompts: as the engine encoded them).
     requests = [SampleRequest(ids, r.expected_output_len) for ids, r in zip(prompts, requests)]
     device = llm.llm_engine.model_config.device
@@ -116,7 +125,7 @@ def main(args: argparse.Namespace) -> dict:
 
     print(f"\nmodel {engine_args.model}  dtype {str(model_config.torch_dtype).removeprefix('torch.')}  "
           f"device {device}  {spec.describe()}")
-    for name in ("pagoda", "hf"):
+    for name in ("pagoda", "hf", "llama.cpp"):
         if name in results:
             r = results[name]
             print(f"{name:<7} Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} "
@@ -124,6 +133,12 @@ def main(args: argparse.Namespace) -> dict:
                   f"({r['total_output_tokens']} tokens in {r['elapsed_time']:.1f} s)")
     if "pagoda_over_hf" in results:
         print(f"pagoda / hf output throughput: {results['pagoda_over_hf']:.2f}x")
+    if "llama.cpp" in results:
+        peer = results["llama.cpp"]
+        print(f"llama.cpp decode {peer['decode_tokens_per_second']:.2f} tok/s ({peer['command']}, median of "
+              f"{len(peer['runs'])})")
+        print(f"pagoda / llama.cpp output throughput: "
+              f"{figures['output_tokens_per_second'] / peer['output_tokens_per_second']:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(args=vars(args), engine_args=asdict(engine_args), dtype=str(model_config.torch_dtype),
