@@ -53,7 +53,7 @@ if [[ $stage == bench || $stage == all ]]; then
     --num-iters-warmup 2 --num-iters 5 --no-enable-prefix-caching --disable-tqdm --output-json "$out/qwen3_latency.json"
   # Structured outputs' cost: a batch of 64 free, then each request following a JSON schema (xgrammar and
   # apache-tvm-ffi carried as wheels; Qwen3's tokenizer from tests/models).
-  tokenizer=$(mktemp -d /tmp/pagoda-qwen3-tokenizer.XXXXXX)
+  tokenizer=$(mktemp -d)
   python3 -c "from checkpoints import save_qwen3_tokenizer; save_qwen3_tokenizer('$tokenizer')"
   so="--model-shape Qwen3-0.6B --tokenizer $tokenizer --num-prompts 64 --input-len 256 --output-len 256 --disable-tqdm"
   step qwen3_free_64 120 $bench throughput $so --output-json "$out/qwen3_free_64.json"

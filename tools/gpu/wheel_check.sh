@@ -33,7 +33,7 @@ out=${OUT:-wheel-check-results}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")
 [[ -f $wheel ]] || { echo "wheel_check: no wheel at $wheel" >&2; exit 2; }
-work=$(mktemp -d /tmp/pagoda-wheel-check.XXXXXX)
+work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 venv=$work/venv
 unset PYTHONPATH

@@ -11,7 +11,7 @@ set -euo pipefail
 version=0.3.36  # llama-cpp-python; its vendor/llama.cpp is the source built
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda/llama.cpp-$version}
 python=${PYTHON:-python3}
-work=$(mktemp -d "${TMPDIR:-/tmp}/pagoda-llama-cpp.XXXXXX")
+work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$python" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work"
 tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
