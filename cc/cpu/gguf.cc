@@ -112,10 +112,21 @@ inline void widen(__m256i q, Vec out[kVecs]) {
 #endif
 }
 
+// The fp16 at p in every lane, converted from a broadcast rather than
+// converted as a scalar and then broadcast.
+inline Vec scale_at(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, sizeof(h));
+#ifdef __AVX512F__
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#else
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+#endif
+}
+
 // The block's 32 weights, the very fp32 values of gguf_dequantize_reference.
 template <GgufType F>
 inline void dequantize(const uint8_t* block, Vec out[kVecs]) {
-  const Vec d = vec::set1(fp16_at(block));
 #ifdef __AVX512F__
   if constexpr (F != GgufType::kQ8_0) {
     // A 4-bit quant takes one of 16 values: compute them once (one vector)
@@ -125,18 +136,23 @@ inline void dequantize(const uint8_t* block, Vec out[kVecs]) {
     const __m512i low = _mm512_cvtepu8_epi32(packed);  // lane j: byte j, its low nibble = element j
     const __m512i high = _mm512_srli_epi32(low, 4);    // lane j: element j + 16
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    Vec values;
+    __m512 values;
     if constexpr (F == GgufType::kQ4_1) {
-      values = vec::fmadd(iota, d, vec::set1(fp16_at(block + 2)));
+      // d and m converted together: lanes d, m, d, m, ...
+      uint32_t dm;
+      __builtin_memcpy(&dm, block, sizeof(dm));
+      const __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));
+      values = _mm512_fmadd_ps(iota, _mm512_moveldup_ps(pairs), _mm512_movehdup_ps(pairs));
     } else {
-      values = (Vec(iota) - vec::set1(8.0f)) * d;
+      values = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), scale_at(block).v);
     }
-    out[0] = _mm512_permutexvar_ps(low, values.v);
-    out[1] = _mm512_permutexvar_ps(high, values.v);
+    out[0] = _mm512_permutexvar_ps(low, values);
+    out[1] = _mm512_permutexvar_ps(high, values);
     return;
   }
 #endif
   widen(quants<F>(block), out);
+  const Vec d = scale_at(block);
   if constexpr (F == GgufType::kQ4_1) {
     const Vec m = vec::set1(fp16_at(block + 2));
 #pragma GCC unroll 4
@@ -176,7 +192,12 @@ struct F32Tile {
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) acc[m][n] = vec::zero();
     }
+    // The next tile's weight rows, a cache line or two per block, so that
+    // they arrive while this tile computes.
+    const char* next = reinterpret_cast<const char*>(w + NB * row_bytes);
+    const int64_t lines_per_block = (NB * row_bytes / 64 + nb - 1) / nb;
     for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t j = 0; j < lines_per_block; ++j) vec::prefetch(next + (b * lines_per_block + j) * 64);
       Vec wv[NB][kVecs];
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) dequantize<F>(w + n * row_bytes + b * BlockTraits<F>::kBytes, wv[n]);
