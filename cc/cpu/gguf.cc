@@ -96,6 +96,19 @@ inline __m256i quants(const uint8_t* block) {
 // ---------------------------------------------------------------------------
 // The fp32 path: a block dequantized into kVecs vectors of kLanes fp32.
 
+// Prefetches the weight rows of the next tile (bytes from `next`), spread
+// over this tile's nb blocks, so that they arrive while this tile computes:
+// at one input row the tiles are bound by the weight's bytes.
+struct NextTile {
+  const char* next;
+  int64_t lines_per_block;
+  NextTile(const uint8_t* next_rows, int64_t bytes, int64_t nb)
+      : next(reinterpret_cast<const char*>(next_rows)), lines_per_block((bytes / 64 + nb - 1) / nb) {}
+  void fetch(int64_t b) const {
+    for (int64_t j = 0; j < lines_per_block; ++j) vec::prefetch(next + (b * lines_per_block + j) * 64);
+  }
+};
+
 constexpr int kVecs = static_cast<int>(kBlock) / vec::kLanes;  // 2 (AVX-512) or 4 (AVX2)
 
 // int8 lanes -> fp32 vectors, element order kept.
@@ -192,12 +205,9 @@ struct F32Tile {
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) acc[m][n] = vec::zero();
     }
-    // The next tile's weight rows, a cache line or two per block, so that
-    // they arrive while this tile computes.
-    const char* next = reinterpret_cast<const char*>(w + NB * row_bytes);
-    const int64_t lines_per_block = (NB * row_bytes / 64 + nb - 1) / nb;
+    const NextTile next(w + NB * row_bytes, NB * row_bytes, nb);
     for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t j = 0; j < lines_per_block; ++j) vec::prefetch(next + (b * lines_per_block + j) * 64);
+      next.fetch(b);
       Vec wv[NB][kVecs];
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) dequantize<F>(w + n * row_bytes + b * BlockTraits<F>::kBytes, wv[n]);
