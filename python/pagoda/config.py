@@ -95,8 +95,8 @@ class ModelConfig:
     # registers and multiplied in fp32, so the results are those of "none" up
     # to the order of fp32 sums, from a fifth of the bytes), "none"
     # dequantizes them to dtype at load. "auto" is gguf wherever it applies
-    # (SmolLM2: the same greedy tokens as none, 2.6x its batch-1 decode;
-    # docs/BENCHMARKS.md), else none. "fp8": the linear layers' weights
+    # (SmolLM2: the same greedy tokens as none, a batch-1 request 4.8x
+    # faster, 0.57x the peak memory; docs/BENCHMARKS.md), else none. "fp8": the linear layers' weights
     # quantized to float8 e4m3 at load (per output channel), activations per
     # token, FP8 tensor-core GEMMs (model_executor/layers/fp8.py); bf16/fp16
     # models.
