@@ -62,9 +62,9 @@ def get_model(
 
     quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices packed
     (the CPU's packed kernels multiply them) on one rank; under tensor
-    parallelism they are dequantized, since the packed rows are not split; "fp8" quantizes the linear layers' weights to float8
-    once they are loaded (each rank its own shard); None dequantizes
-    everything to dtype."""
+    parallelism they are dequantized, since the packed rows are not split.
+    "fp8" quantizes the linear layers' weights to float8 once they are
+    loaded (each rank its own shard); None dequantizes everything to dtype."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":
