@@ -97,12 +97,12 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
 }
 
 void gguf_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t weight_type,
-                     const c10::optional<at::Tensor>& bias) {
+                     const c10::optional<at::Tensor>& bias, bool quantize_input) {
   check_cpu(input, "input");
   GgufLinearArgs a = check_gguf_linear(out, input, weight, weight_type, bias);
   cpu_kernels().gguf_linear(static_cast<float*>(a.out.data), a.out.stride, static_cast<const float*>(a.input.data),
                             a.input.stride, a.weight, static_cast<cpu::GgufType>(weight_type), a.bias, a.M, a.N,
-                            a.K);
+                            a.K, quantize_input);
 }
 
 void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor& weight, int64_t weight_type) {
@@ -151,7 +151,9 @@ TORCH_LIBRARY(pagoda, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
-  m.def("gguf_linear(Tensor(a!) out, Tensor input, Tensor weight, int weight_type, Tensor? bias) -> ()");
+  m.def(
+      "gguf_linear(Tensor(a!) out, Tensor input, Tensor weight, int weight_type, Tensor? bias, "
+      "bool quantize_input=False) -> ()");
   m.def("gguf_embedding(Tensor(a!) out, Tensor ids, Tensor weight, int weight_type) -> ()");
   m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "

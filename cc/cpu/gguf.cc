@@ -2,16 +2,25 @@
 // activations by a weight kept in GGUF's own block layout (no repacking: the
 // bytes of the file, row after row), gguf_embedding dequantizes looked-up rows.
 //
-// gguf_linear quantizes each input row per 32-element block to int8 with one
-// fp32 scale (d = max|x| / 127, q = round(x / d)), then every block product is
-// an integer dot product of 32 int8 pairs, scaled by d_weight * d_input and
-// summed in fp32. Q4_1's per-block minimum multiplies the quantized block's
-// sum, so the result is exactly (quantized x) @ (dequantized W): multiplying
-// it by x's exact sum instead would leave the rounding error of d * q_w (all
-// of one sign, up to 15 d) rather than of the weight (which straddles 0),
-// about twice the error on SmolLM2. Blocks are 256 bits, so both builds work on 256-bit
-// vectors; the AVX-512 build differs in its 32 vector registers and, where
-// the CPU has AVX512_VNNI (checked at run time), in one vpdpbusd per block.
+// gguf_linear has two ways to multiply a block:
+// - fp32 (the default): the weight block is dequantized in registers to
+//   exactly the fp32 values gguf_dequantize_reference gives (d * q, d * q + m:
+//   an fp16 scale times a small integer is exact in fp32, and the minimum is
+//   added with one rounding), then multiplied with fp32 FMAs. Only the order
+//   of the fp32 sums differs from multiplying the dequantized matrix, while
+//   the weight is read at its packed size: what decode (few rows, bound by
+//   the weight's bytes) wants.
+// - int8 (quantize_input): each input row is quantized per 32-element block
+//   to int8 with one fp32 scale (d = max|x| / 127, q = round(x / d)), then
+//   every block product is an integer dot product of 32 int8 pairs, scaled by
+//   d_weight * d_input and summed in fp32 (llama.cpp's way). Q4_1's per-block
+//   minimum multiplies the quantized block's sum, so the result is exactly
+//   (quantized x) @ (dequantized W): multiplying it by x's exact sum instead
+//   would leave the rounding error of d * q_w (all of one sign, up to 15 d)
+//   rather than of the weight (which straddles 0), about twice the error on
+//   SmolLM2. Blocks are 256 bits, so both builds work on 256-bit vectors; the
+//   AVX-512 build differs in its 32 vector registers and, where the CPU has
+//   AVX512_VNNI (checked at run time), in one vpdpbusd per block.
 //
 // Threads split the output rows (weight rows) into contiguous ranges, the same
 // for every chunk of input rows, so a thread's weight rows stay in its caches
@@ -26,10 +35,10 @@ namespace cpu {
 namespace PAGODA_CPU_NS {
 namespace {
 
+using vec::Vec;
+
 constexpr int64_t kBlock = 32;
-constexpr int kRowTile = 2;    // weight rows per tile (AVX2: 8 accumulators + operands fit 16 registers)
-constexpr int kInputTile = 4;  // input rows per tile
-constexpr int64_t kInputChunk = 64;  // input rows whose quantized blocks stay in L2 across a thread's weight rows
+constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thread's weight rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
 
 template <int N>
@@ -65,13 +74,8 @@ inline float fp16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One weight block in registers: u = the unsigned operand of the dot product
-// (|q| for the signed formats), q = the signed quants (signed formats only).
-struct Decoded {
-  __m256i u, q;
-  float d, min;
-};
-
+// The 32 quants of a block as int8 in element order (Q4_0 already minus 8;
+// Q4_1's are 0..15).
 inline __m256i nibbles(const uint8_t* qs) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
@@ -79,51 +83,183 @@ inline __m256i nibbles(const uint8_t* qs) {
 }
 
 template <GgufType F>
+inline __m256i quants(const uint8_t* block) {
+  if constexpr (F == GgufType::kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else if constexpr (F == GgufType::kQ4_0) {
+    return _mm256_sub_epi8(nibbles(block + 2), _mm256_set1_epi8(8));
+  } else {
+    return nibbles(block + 4);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The fp32 path: a block dequantized into kVecs vectors of kLanes fp32.
+
+// Prefetches the weight rows of the next tile (bytes from `next`), spread
+// over this tile's nb blocks, so that they arrive while this tile computes:
+// at one input row the tiles are bound by the weight's bytes.
+struct NextTile {
+  const char* next;
+  int64_t lines_per_block;
+  NextTile(const uint8_t* next_rows, int64_t bytes, int64_t nb)
+      : next(reinterpret_cast<const char*>(next_rows)), lines_per_block((bytes / 64 + nb - 1) / nb) {}
+  void fetch(int64_t b) const {
+    for (int64_t j = 0; j < lines_per_block; ++j) vec::prefetch(next + (b * lines_per_block + j) * 64);
+  }
+};
+
+constexpr int kVecs = static_cast<int>(kBlock) / vec::kLanes;  // 2 (AVX-512) or 4 (AVX2)
+
+// int8 lanes -> fp32 vectors, element order kept.
+inline void widen(__m256i q, Vec out[kVecs]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+#ifdef __AVX512F__
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+#else
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+#endif
+}
+
+// The fp16 at p in every lane, converted from a broadcast rather than
+// converted as a scalar and then broadcast.
+inline Vec scale_at(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, sizeof(h));
+#ifdef __AVX512F__
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#else
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+#endif
+}
+
+// The block's 32 weights, the very fp32 values of gguf_dequantize_reference.
+template <GgufType F>
+inline void dequantize(const uint8_t* block, Vec out[kVecs]) {
+#ifdef __AVX512F__
+  if constexpr (F != GgufType::kQ8_0) {
+    // A 4-bit quant takes one of 16 values: compute them once (one vector)
+    // and look each element up with vpermps, which reads the low 4 bits of
+    // each index lane -- cheaper than widening and converting 32 quants.
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == GgufType::kQ4_1 ? 4 : 2)));
+    const __m512i low = _mm512_cvtepu8_epi32(packed);  // lane j: byte j, its low nibble = element j
+    const __m512i high = _mm512_srli_epi32(low, 4);    // lane j: element j + 16
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 values;
+    if constexpr (F == GgufType::kQ4_1) {
+      // d and m converted together: lanes d, m, d, m, ...
+      uint32_t dm;
+      __builtin_memcpy(&dm, block, sizeof(dm));
+      const __m512 pairs = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));
+      values = _mm512_fmadd_ps(iota, _mm512_moveldup_ps(pairs), _mm512_movehdup_ps(pairs));
+    } else {
+      values = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), scale_at(block).v);
+    }
+    out[0] = _mm512_permutexvar_ps(low, values);
+    out[1] = _mm512_permutexvar_ps(high, values);
+    return;
+  }
+#endif
+  widen(quants<F>(block), out);
+  const Vec d = scale_at(block);
+  if constexpr (F == GgufType::kQ4_1) {
+    const Vec m = vec::set1(fp16_at(block + 2));
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) out[v] = vec::fmadd(out[v], d, m);
+  } else {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) out[v] = out[v] * d;
+  }
+}
+
+// An NB x MB tile of fp32 products: NB weight rows (row_bytes apart from w)
+// by MB input rows (x_stride apart from x), the blocks of NB rows dequantized
+// once for all MB inputs.
+template <GgufType F>
+struct F32Tile {
+  // AVX2: 2 x 4 accumulators, 2 x 4 weight vectors and the input fill 17 of
+  // 16 registers (the compiler interleaves); AVX-512: 16 + 8 + 1 of 32.
+#ifdef __AVX512F__
+  static constexpr int kRowTile = 4;
+#else
+  static constexpr int kRowTile = 2;
+#endif
+  static constexpr int kInputTile = 4;
+
+  const uint8_t* weight;
+  int64_t row_bytes, nb;
+  const float* x;
+  int64_t x_stride;
+
+  template <int NB, int MB>
+  void run(int64_t n0, int64_t m0, float out[MB][NB]) const {
+    const uint8_t* w = weight + n0 * row_bytes;
+    const float* xm = x + m0 * x_stride;
+    Vec acc[MB][NB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) acc[m][n] = vec::zero();
+    }
+    const NextTile next(w + NB * row_bytes, NB * row_bytes, nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      next.fetch(b);
+      Vec wv[NB][kVecs];
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) dequantize<F>(w + n * row_bytes + b * BlockTraits<F>::kBytes, wv[n]);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) {
+          const Vec xv = vec::load<DType::kFloat32>(xm + m * x_stride + b * kBlock + v * vec::kLanes);
+#pragma GCC unroll 4
+          for (int n = 0; n < NB; ++n) acc[m][n] = vec::fmadd(xv, wv[n][v], acc[m][n]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) out[m][n] = vec::hsum(acc[m][n]);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The int8 path.
+
+// One weight block in registers: u = the unsigned operand of the dot product
+// (|q| for the signed formats), q = the signed quants (signed formats only).
+struct Decoded {
+  __m256i u, q;
+  float d, min;
+};
+
+template <GgufType F>
 inline Decoded decode(const uint8_t* block) {
   Decoded r;
   r.d = fp16_at(block);
-  if constexpr (F == GgufType::kQ8_0) {
-    r.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    r.u = _mm256_sign_epi8(r.q, r.q);
-    r.min = 0.0f;
-  } else if constexpr (F == GgufType::kQ4_0) {
-    r.q = _mm256_sub_epi8(nibbles(block + 2), _mm256_set1_epi8(8));
-    r.u = _mm256_sign_epi8(r.q, r.q);
-    r.min = 0.0f;
-  } else {
-    r.min = fp16_at(block + 2);
-    r.u = nibbles(block + 4);
-    r.q = r.u;
-  }
+  r.q = quants<F>(block);
+  r.u = BlockTraits<F>::kSigned ? _mm256_sign_epi8(r.q, r.q) : r.q;
+  r.min = F == GgufType::kQ4_1 ? fp16_at(block + 2) : 0.0f;
   return r;
-}
-
-// Element j of a block, for the embedding lookup.
-template <GgufType F>
-inline void dequantize_block(const uint8_t* block, float* out) {
-  const float d = fp16_at(block);
-  for (int j = 0; j < kBlock; ++j) {
-    if constexpr (F == GgufType::kQ8_0) {
-      out[j] = d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
-    } else {
-      const uint8_t* qs = block + (F == GgufType::kQ4_1 ? 4 : 2);
-      const int q = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
-      out[j] = F == GgufType::kQ4_1 ? d * static_cast<float>(q) + fp16_at(block + 2) : d * static_cast<float>(q - 8);
-    }
-  }
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
@@ -155,15 +291,6 @@ inline void quantize_block(const float* x, QBlock* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q), ordered);
 }
 
-struct GgufLinearArgs {
-  float* out;
-  int64_t out_stride;
-  const QBlock* x;  // M rows of K / 32 blocks
-  const uint8_t* weight;
-  const float* bias;
-  int64_t M, N, K;
-};
-
 namespace plain {
 #include "cc/cpu/gguf_dot.inc"
 }  // namespace plain
@@ -184,39 +311,77 @@ bool has_vnni() {
 }
 #endif
 
-using MultiplyRows = void (*)(const GgufLinearArgs&, int64_t, int64_t, int64_t, int64_t);
+// ---------------------------------------------------------------------------
+// Both paths: out rows [n_begin, n_end) of input rows [m_begin, m_end), in
+// tiles of Tile::kRowTile weight rows by up to Tile::kInputTile input rows.
+template <class Tile>
+void multiply_rows(const Tile& tile, float* out, int64_t out_stride, const float* bias, int64_t n_begin,
+                   int64_t n_end, int64_t m_begin, int64_t m_end) {
+  auto run = [&](auto nb_constant, auto mb_constant, int64_t n0, int64_t m0) {
+    constexpr int NB = decltype(nb_constant)::value;
+    constexpr int MB = decltype(mb_constant)::value;
+    float sums[MB][NB];
+    tile.template run<NB, MB>(n0, m0, sums);
+    for (int m = 0; m < MB; ++m) {
+      float* o = out + (m0 + m) * out_stride + n0;
+      for (int n = 0; n < NB; ++n) o[n] = sums[m][n] + (bias ? bias[n0 + n] : 0.0f);
+    }
+  };
+  static_assert(Tile::kInputTile == 4, "row_block handles remainders of 1 to 3 input rows");
+  auto row_block = [&](auto nb_constant, int64_t n0) {
+    int64_t m0 = m_begin;
+    for (; m0 + Tile::kInputTile <= m_end; m0 += Tile::kInputTile) run(nb_constant, Int<Tile::kInputTile>{}, n0, m0);
+    switch (m_end - m0) {
+      case 3: run(nb_constant, Int<3>{}, n0, m0); break;
+      case 2: run(nb_constant, Int<2>{}, n0, m0); break;
+      case 1: run(nb_constant, Int<1>{}, n0, m0); break;
+      default: break;
+    }
+  };
+  int64_t n0 = n_begin;
+  for (; n0 + Tile::kRowTile <= n_end; n0 += Tile::kRowTile) row_block(Int<Tile::kRowTile>{}, n0);
+  for (; n0 < n_end; ++n0) row_block(Int<1>{}, n0);
+}
 
-template <GgufType F>
-MultiplyRows select_multiply_rows() {
-#ifdef __AVX512F__
-  static const bool vnni_here = has_vnni();
-  if (vnni_here) return &vnni::multiply_rows<F>;
-#endif
-  return &plain::multiply_rows<F>;
+// The N weight rows split into one contiguous range of whole tiles per
+// thread; each thread walks the inputs kInputChunk rows at a time.
+template <class Tile>
+void multiply(const Tile& tile, float* out, int64_t out_stride, const float* bias, int64_t M, int64_t N, int64_t K) {
+  const bool parallel = M * N * K >= kParallelMinMacs && N >= 2 * Tile::kRowTile;
+#pragma omp parallel if (parallel)
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t tiles = (N + Tile::kRowTile - 1) / Tile::kRowTile;
+    const int64_t n_begin = tiles * t / threads * Tile::kRowTile;
+    const int64_t n_end = t + 1 == threads ? N : tiles * (t + 1) / threads * Tile::kRowTile;
+    for (int64_t m0 = 0; m0 < M; m0 += kInputChunk) {
+      multiply_rows(tile, out, out_stride, bias, n_begin, n_end, m0, m0 + kInputChunk < M ? m0 + kInputChunk : M);
+    }
+  }
 }
 
 template <GgufType F>
 void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_t input_stride,
-                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K) {
+                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K,
+                      bool quantize_input) {
   const int64_t nb = K / kBlock;
+  const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
+  if (!quantize_input) {
+    return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
+  }
   QBlock* x = new QBlock[M * nb];
   vec::parallel_for_rows(M, K, [&](int64_t m) {
     for (int64_t b = 0; b < nb; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nb + b);
   });
-  const GgufLinearArgs a{out, out_stride, x, weight, bias, M, N, K};
-  const MultiplyRows multiply_rows = select_multiply_rows<F>();
-  const bool parallel = M * N * K >= kParallelMinMacs && N >= 2 * kRowTile;
-#pragma omp parallel if (parallel)
-  {
-    // Contiguous ranges of whole tiles, one per thread.
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t tiles = (N + kRowTile - 1) / kRowTile;
-    const int64_t n_begin = tiles * t / threads * kRowTile;
-    const int64_t n_end = t + 1 == threads ? N : tiles * (t + 1) / threads * kRowTile;
-    for (int64_t m0 = 0; m0 < M; m0 += kInputChunk) {
-      multiply_rows(a, n_begin, n_end, m0, m0 + kInputChunk < M ? m0 + kInputChunk : M);
-    }
+#ifdef __AVX512F__
+  static const bool vnni_here = has_vnni();
+  if (vnni_here) {
+    multiply(vnni::Int8Tile<F>{weight, row_bytes, nb, x}, out, out_stride, bias, M, N, K);
+    delete[] x;
+    return;
   }
+#endif
+  multiply(plain::Int8Tile<F>{weight, row_bytes, nb, x}, out, out_stride, bias, M, N, K);
   delete[] x;
 }
 
@@ -228,7 +393,11 @@ void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int
   vec::parallel_for_rows(num_ids, K, [&](int64_t i) {
     const uint8_t* row = weight + ids[i] * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      dequantize_block<F>(row + b * BlockTraits<F>::kBytes, out + i * out_stride + b * kBlock);
+      Vec values[kVecs];
+      dequantize<F>(row + b * BlockTraits<F>::kBytes, values);
+      for (int v = 0; v < kVecs; ++v) {
+        vec::store<DType::kFloat32>(out + i * out_stride + b * kBlock + v * vec::kLanes, values[v]);
+      }
     }
   });
 }
@@ -236,16 +405,19 @@ void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int
 }  // namespace
 
 void gguf_linear(float* out, int64_t out_stride, const float* input, int64_t input_stride, const void* weight,
-                 GgufType type, const float* bias, int64_t M, int64_t N, int64_t K) {
+                 GgufType type, const float* bias, int64_t M, int64_t N, int64_t K, bool quantize_input) {
   if (M <= 0 || N <= 0) return;
   const uint8_t* w = static_cast<const uint8_t*>(weight);
   switch (type) {
     case GgufType::kQ4_0:
-      return gguf_linear_impl<GgufType::kQ4_0>(out, out_stride, input, input_stride, w, bias, M, N, K);
+      return gguf_linear_impl<GgufType::kQ4_0>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input);
     case GgufType::kQ4_1:
-      return gguf_linear_impl<GgufType::kQ4_1>(out, out_stride, input, input_stride, w, bias, M, N, K);
+      return gguf_linear_impl<GgufType::kQ4_1>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input);
     case GgufType::kQ8_0:
-      return gguf_linear_impl<GgufType::kQ8_0>(out, out_stride, input, input_stride, w, bias, M, N, K);
+      return gguf_linear_impl<GgufType::kQ8_0>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input);
   }
 }
 

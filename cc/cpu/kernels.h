@@ -73,11 +73,13 @@
               int64_t M, int64_t N, int64_t K, DType dtype);              \
   /* out[m] = W @ input[m] (+ bias) for fp32 input rows of K elements, W     \
      [N, K] in GGUF block layout `type` (N rows of K / 32 blocks, K a        \
-     multiple of 32), bias [N] fp32 or null; the input is quantized to int8  \
-     per 32-element block first (see cc/cpu/gguf.cc). */                     \
+     multiple of 32), bias [N] fp32 or null; W's blocks are dequantized in   \
+     registers and multiplied in fp32, or with quantize_input the input is   \
+     first quantized to int8 per 32-element block (see cc/cpu/gguf.cc). */   \
   void gguf_linear(float* out, int64_t out_stride, const float* input,      \
                    int64_t input_stride, const void* weight, GgufType type,  \
-                   const float* bias, int64_t M, int64_t N, int64_t K);      \
+                   const float* bias, int64_t M, int64_t N, int64_t K,       \
+                   bool quantize_input);                                     \
   /* out[i] = row ids[i] of W (as above) dequantized to fp32; ids must be    \
      valid rows (the caller checks). */                                      \
   void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids,   \

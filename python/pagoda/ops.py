@@ -139,15 +139,19 @@ def gguf_linear(
     weight_type: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    quantize_input: bool = False,
 ) -> torch.Tensor:
     """x @ W.T (+ bias) for fp32 x [..., K] and W [N, K] kept packed in GGUF's
     block layout: weight is uint8 [N, K / 32 * GGUF_BLOCK_BYTES[weight_type]]
     (K must be a multiple of 32, as GGUF requires of every quantized row).
-    The CPU kernel quantizes x to int8 per 32-element block (scale max|x| /
-    127) and sums integer block products; gguf_linear_reference is exact."""
+    The CPU kernel dequantizes W's blocks in registers and multiplies in fp32
+    (gguf_linear_reference up to the order of fp32 sums); quantize_input=True
+    instead rounds x to int8 per 32-element block (scale max|x| / 127) and
+    sums integer block products (llama.cpp's way; gguf_linear_reference with
+    quantize_input=True up to the order of sums)."""
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
-    torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias)
+    torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias, quantize_input)
     return out
 
 

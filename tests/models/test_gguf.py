@@ -141,7 +141,11 @@ def smollm2():
     return folder, tokenizer, config, hf.eval()
 
 
-def test_smollm2_matches_transformers(smollm2):
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_smollm2_matches_transformers(smollm2, quantization):
+    """Dequantized to fp32 at load, or kept packed (Q4_1/Q8_0 blocks
+    dequantized in the kernels' registers, fp32 products): transformers'
+    logits either way, within fp32 summation-order tolerances."""
     folder, tokenizer, config, hf = smollm2
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
@@ -158,7 +162,9 @@ def test_smollm2_matches_transformers(smollm2):
             hf_logits.append(hf(torch.tensor([prompt + new[:-1]])).logits[0].float())
     assert "Paris" in tokenizer.decode(greedy[1])
 
-    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE)
+    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE, quantization=quantization)
+    packed = model.model.layers[0].mlp.down_proj.weight
+    assert (packed.dtype == torch.uint8) == (quantization == "gguf")
     sequences = [p + g[:-1] for p, g in zip(prompts, greedy)]
     ours = run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [len(p) for p in prompts], [1, 1])
     for got, want, prompt, new in zip(ours, hf_logits, prompts, greedy):

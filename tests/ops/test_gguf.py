@@ -1,13 +1,22 @@
 """gguf_linear and gguf_embedding (GGUF-packed Q4_0, Q4_1, Q8_0 weights)
-against the pure-torch dequantize-then-multiply references.
+against the pure-torch dequantize-then-multiply references, for both ways of
+multiplying a block.
 
-Tolerance: the kernel rounds each 32-element block of x to int8 with step
-d = max|x_block| / 127, so every element moves by at most d / 2, and an
-output moves by at most sum over blocks of d_b / 2 * sum_j |w_j|. The tests check that bound per output element, plus fp32 rounding of the
-block sums (1e-5 of sum |x| |w|). The bound is the worst case; typical errors
-are about sqrt(32) times smaller, since the rounding errors have random signs.
-Against the reference fed the same int8-rounded x, only fp32 summation order
-differs: within 1e-5 of sum |x| |w|.
+fp32 (the default): the kernel dequantizes the weight to exactly the
+reference's fp32 values and multiplies in fp32, so only the order of the fp32
+sums differs from the fp64 reference: each output within (K / 8 + 8) * 2^-24 of
+sum |x| |w| (+ |bias|), the worst case of summing K / 8 products per
+vector lane and then the lanes (about 1.5e-5 at K = 1536; a wrong or
+misplaced weight is off by about |w| |x|, a whole term).
+
+int8 (quantize_input=True): the kernel rounds each 32-element block of x to
+int8 with step d = max|x_block| / 127, so every element moves by at most
+d / 2, and an output moves by at most sum over blocks of d_b / 2 * sum_j
+|w_j|. The tests check that bound per output element, plus fp32 rounding of
+the block sums (1e-5 of sum |x| |w|). The bound is the worst case; typical
+errors are about sqrt(32) times smaller, since the rounding errors have
+random signs. Against the reference fed the same int8-rounded x, only fp32
+summation order differs: within 1e-5 of sum |x| |w|.
 """
 
 import pytest
@@ -29,7 +38,14 @@ def random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
-def error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+def magnitudes(x: torch.Tensor, weight: torch.Tensor, weight_type: int, bias=None) -> torch.Tensor:
+    """sum |x| |w| (+ |bias|) per output element, [M, N] in fp64."""
+    w = ops.gguf_dequantize_reference(weight, weight_type).double()
+    scale = x.reshape(-1, x.shape[-1]).double().abs() @ w.abs().T
+    return scale if bias is None else scale + bias.double().abs()
+
+
+def int8_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     x = x.reshape(-1, x.shape[-1]).double()
     w = ops.gguf_dequantize_reference(weight, weight_type).double()
     rows, k = w.shape
@@ -40,36 +56,73 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torc
     return quantization + rounding + 1e-6
 
 
-def check(out, x, weight, weight_type, bias=None):
+def check(out, x, weight, weight_type, bias=None, quantize_input=False):
     want = ops.gguf_linear_reference(x, weight, weight_type, bias)
     assert out.shape == want.shape and out.dtype == torch.float32
     error = (out.double() - want.double()).reshape(-1, weight.shape[0]).abs()
-    bound = error_bound(x, weight, weight_type)
+    if not quantize_input:
+        bound = (x.shape[-1] / 8 + 8) * 2.0**-24 * magnitudes(x, weight, weight_type, bias) + 1e-30
+        assert (error <= bound).all(), f"max error {error.max():.3g}, worst error / bound {(error / bound).max():.3g}"
+        return
+    bound = int8_error_bound(x, weight, weight_type)
     assert (error <= bound).all(), f"max error {error.max():.3g}, worst error / bound {(error / bound).max():.3g}"
     same_input = ops.gguf_linear_reference(x, weight, weight_type, bias, quantize_input=True)
-    w = ops.gguf_dequantize_reference(weight, weight_type).double()
-    summation = 1e-5 * x.reshape(-1, x.shape[-1]).double().abs() @ w.abs().T + 1e-6
+    summation = 1e-5 * magnitudes(x, weight, weight_type) + 1e-6
     error = (out.double() - same_input.double()).reshape(-1, weight.shape[0]).abs()
     assert (error <= summation).all(), f"against the int8-rounded input: max error {error.max():.3g}"
 
 
+@pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64, 65])
 @pytest.mark.parametrize("k,n", [(32, 1), (64, 3), (96, 5), (576, 577), (1536, 64)])
-def test_gguf_linear(name, m, k, n):
+def test_gguf_linear(name, m, k, n, quantize_input):
     weight_type = TYPES[name]
     weight = random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
-    check(ops.gguf_linear(x, weight, weight_type), x, weight, weight_type)
+    check(ops.gguf_linear(x, weight, weight_type, quantize_input=quantize_input), x, weight, weight_type,
+          quantize_input=quantize_input)
 
 
+@pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("name", TYPES)
-def test_gguf_linear_many_rows_and_bias(name):
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("n", [1, 7, 8, 9])
+def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
+    """Output rows around the tiles' 2 and 4 weight rows, with a bias."""
+    weight_type = TYPES[name]
+    weight = random_blocks(n, 160, weight_type)
+    x, bias = torch.randn(m, 160), torch.randn(n)
+    out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
+    check(out, x, weight, weight_type, bias, quantize_input)
+
+
+@pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_linear_many_rows_and_bias(name, quantize_input):
     """A vocabulary-sized output (the LM head of a tied GGUF model)."""
     weight_type = TYPES[name]
     weight = random_blocks(9001, 64, weight_type)
     x, bias = torch.randn(3, 64), torch.randn(9001)
-    check(ops.gguf_linear(x, weight, weight_type, bias), x, weight, weight_type, bias)
+    out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
+    check(out, x, weight, weight_type, bias, quantize_input)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_linear_fp32_is_exact_on_exact_sums(name):
+    """Scales, minimums and inputs that are small multiples of powers of two:
+    every product and partial sum is exact in fp32, so the fp32 path must
+    equal the reference bit for bit in any order of sums (a weight off by
+    one step would show)."""
+    weight_type = TYPES[name]
+    weight = random_blocks(9, 96, weight_type)
+    blocks = weight.view(9, 3, -1)
+    scales = torch.tensor([0.25, -0.5, 0.5], dtype=torch.float16)[torch.randint(0, 3, (9, 3))]
+    blocks[..., 0:2] = scales.unsqueeze(-1).view(torch.uint8)
+    if weight_type == 3:
+        blocks[..., 2:4] = torch.tensor([-0.75], dtype=torch.float16).view(torch.uint8)
+    x = torch.randint(-8, 9, (5, 96)).float() / 4
+    assert torch.equal(ops.gguf_linear(x, weight, weight_type), ops.gguf_linear_reference(x, weight, weight_type))
 
 
 def test_gguf_linear_outliers_and_zeros():
@@ -79,6 +132,7 @@ def test_gguf_linear_outliers_and_zeros():
     x[0, :32] = 0
     x[1, 40] = 1e4
     check(ops.gguf_linear(x, weight, 3), x, weight, 3)
+    check(ops.gguf_linear(x, weight, 3, quantize_input=True), x, weight, 3, quantize_input=True)
 
 
 def test_gguf_linear_strided_and_leading_dims():
@@ -140,4 +194,6 @@ def test_dequantize_reference_matches_gguf_package(name):
 def test_gguf_opcheck():
     weight = random_blocks(5, 64, 8)
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None))
+    torch.library.opcheck(torch.ops.pagoda.gguf_linear.default,
+                          (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None, True))
     torch.library.opcheck(torch.ops.pagoda.gguf_embedding.default, (torch.empty(2, 64), torch.tensor([0, 4]), weight, 8))

@@ -38,8 +38,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     where the CPU lacks AVX512_BF16); torch's elsewhere (a lone fp32 row is
     memory-bound either way; prefill is a large GEMM). A weight
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
-    kernel, an FP8 one (fp8_scale set by quantize_linear_weights) to the FP8
-    GEMM."""
+    kernel at any number of rows (fp32 products on blocks dequantized in
+    registers: as fast as torch's fp32 GEMM on the dequantized weight from
+    64 to 1024 rows, docs/BENCHMARKS.md), an FP8 one (fp8_scale set by
+    quantize_linear_weights) to the FP8 GEMM."""
     gguf_type = getattr(weight, "gguf_type", None)
     if gguf_type is not None:
         return ops.gguf_linear(x, weight, gguf_type, bias)

@@ -61,18 +61,18 @@ def get_model(
     reads only its slices of a safetensors checkpoint.
 
     quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices packed
-    (the CPU's packed kernels multiply them; one rank only: the packed rows
-    are not split); "fp8" quantizes the linear layers' weights to float8
-    once they are loaded (each rank its own shard); None dequantizes
-    everything to dtype."""
+    (the CPU's packed kernels multiply them) on one rank; under tensor
+    parallelism they are dequantized, since the packed rows are not split.
+    "fp8" quantizes the linear layers' weights to float8 once they are
+    loaded (each rank its own shard); None dequantizes everything to dtype."""
     model = os.fspath(model)
     load_format = resolve_load_format(model, load_format, gguf_file)
     if load_format == "safetensors":
         weights = safetensors_weights_iterator(safetensors_files(model), dtype)
     elif load_format == "gguf":
-        packed = quantization == "gguf"
-        if packed and get_tensor_model_parallel_world_size() > 1:
-            raise ValueError("quantization='gguf' (packed GGUF weights) runs on one rank; pass quantization='none'")
+        packed = quantization == "gguf" and get_tensor_model_parallel_world_size() == 1
+        if quantization == "gguf" and not packed:
+            logger.info("GGUF weights dequantized to %s: packed weights run on one rank", dtype)
         weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype, packed=packed)
     else:
         weights = None
