@@ -58,8 +58,11 @@ def test_llama_cpp_on_the_same_file(pagoda_cli, tmp_path):
     assert "-npl 3" in peer["command"] and gguf in peer["command"]
     assert "pagoda / llama.cpp output throughput" in stdout
     out = tmp_path / "latency.json"
-    code, stdout, stderr = pagoda_cli("bench", "latency", *args, "--batch-size", "1", "--input-len", "16",
-                                      "--output-len", "8", "--num-iters-warmup", "0", "--num-iters", "1",
-                                      "--output-json", out)
+    latency = ("bench", "latency", *args, "--batch-size", "1", "--input-len", "16", "--output-len", "8",
+               "--num-iters-warmup", "0", "--num-iters", "1", "--output-json", out)
+    code, _, stderr = pagoda_cli(*latency)
+    assert code != 0 and "--no-enable-prefix-caching" in stderr  # a cached prompt is no fair match
+    code, stdout, stderr = pagoda_cli(*latency, "--no-enable-prefix-caching")
     assert code == 0, stderr
+    assert json.loads(out.read_text())["llama.cpp"]["elapsed_time"] > 0
     assert "pagoda / llama.cpp latency" in stdout

@@ -53,9 +53,12 @@ def main(args: argparse.Namespace) -> dict:
                              special_token_ids(model_config.hf_config)).sample(spec)
     verify_fits(requests, model_config.max_model_len)
     if "llama.cpp" in args.compare:  # checked before the timed runs
+        llama_cpp = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config)
         if args.n != 1:
             raise ValueError("--compare llama.cpp runs one sample per prompt: drop --n")
-        llama_cpp = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config)
+        if engine_args.enable_prefix_caching:  # else every run after the first finds its prompt cached
+            raise ValueError("--compare llama.cpp times a fresh prefill each run, as llama-batched-bench does: "
+                             "add --no-enable-prefix-caching")
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
