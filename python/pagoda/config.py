@@ -30,6 +30,19 @@ FP8_KV_HEAD_SIZES = (64, 80, 96, 128, 256)
 GiB = 1 << 30
 
 
+def check_fp8_support(what: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Float8 weights and KV caches compute in bf16/fp16, and on a GPU need
+    its FP8 instructions (CUDA capability 8.9+); ValueError naming `what`
+    otherwise. Whether the CPU may run `what` is the caller's to say."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{what} computes in bfloat16 or float16, got dtype {dtype}: pass --dtype bfloat16")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"{what} needs a GPU of CUDA capability 8.9+ (Ada, Hopper), "
+                             f"this one has {capability[0]}.{capability[1]}")
+
+
 def _find_gguf(path: Path) -> tuple[Path, str | None]:
     """(folder, gguf file name or None) for a model path."""
     if path.is_file():
@@ -183,15 +196,8 @@ class ModelConfig:
         return "gguf" if self.quantization == "gguf" or self.quantization == "auto" and packable else None
 
     def _check_fp8(self) -> None:
-        if self.torch_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"quantization='fp8' computes in bfloat16 or float16, got dtype {self.torch_dtype}: "
-                             "pass --dtype bfloat16")
-        if self.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(self.device)
-            if capability < (8, 9):
-                raise ValueError(f"quantization='fp8' needs FP8 tensor cores (CUDA capability 8.9+: Ada, Hopper), "
-                                 f"this GPU has {capability[0]}.{capability[1]}")
-        else:
+        check_fp8_support("quantization='fp8'", self.torch_dtype, self.device)
+        if self.device.type != "cuda":
             logger.warning("quantization='fp8' on the CPU runs torch's reference FP8 GEMM, several times slower "
                            "than bfloat16: it is there to test the path, not for speed")
 
@@ -273,12 +279,7 @@ class CacheConfig:
         what = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         if model_config.device.type != "cuda":
             raise ValueError(f"{what} needs a CUDA GPU (its attention kernels are CUDA's); use 'auto' on {model_config.device}")
-        capability = torch.cuda.get_device_capability(model_config.device)
-        if capability < (8, 9):
-            raise ValueError(f"{what} needs a GPU of CUDA capability 8.9+ (Ada, Hopper), "
-                             f"this one has {capability[0]}.{capability[1]}")
-        if model_config.torch_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"{what} needs dtype bfloat16 or float16, got {model_config.torch_dtype}: pass --dtype bfloat16")
+        check_fp8_support(what, model_config.torch_dtype, model_config.device)
         if self.block_size % 16:
             raise ValueError(f"{what} needs a block_size that is a multiple of 16, got {self.block_size}")
         return torch.float8_e4m3fn  # the model runner checks the head size (FP8_KV_HEAD_SIZES)
