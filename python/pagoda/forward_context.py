@@ -6,6 +6,11 @@ One layout serves prefill, chunked prefill, prefix-cache hits and decode alike:
 the new tokens of all sequences are concatenated; sequence s owns rows
 query_start_loc[s]:query_start_loc[s+1] and has seq_lens[s] tokens of context
 including its new ones; its KV cache blocks are block_tables[s].
+
+The first num_decodes sequences have one new token each (the scheduler puts
+decodes first). The rest, when any, are described again by `prefill` in the
+layout of varlen flash attention, so the GPU runs decodes and prefills with
+the kernel made for each (see model_executor/layers/attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,19 @@ import torch
 
 
 @dataclass
+class PrefillMetadata:
+    """The sequences after the leading decodes, renumbered from 0."""
+
+    query_start_loc: torch.Tensor  # int32 [num_prefills + 1]: their new tokens, from row num_decodes
+    seq_start_loc: torch.Tensor  # int32 [num_prefills + 1]: cumulative context lengths (new tokens included)
+    max_query_len: int
+    max_seq_len: int
+    # int64 [seq_start_loc[-1]]: the cache slot of every context token, in order;
+    # None when no sequence has a cached prefix (the new K/V are the whole context).
+    context_slots: torch.Tensor | None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
@@ -25,6 +43,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: cumulative new-token counts
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0  # leading sequences with one new token each
+    prefill: PrefillMetadata | None = None  # set by the model runner when a sequence after them has more
 
 
 _current: AttentionMetadata | None = None

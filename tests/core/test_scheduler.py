@@ -297,6 +297,25 @@ def test_long_prompt_is_chunked_without_stalling_decodes():
     assert chunks >= 4096 // 64  # the prompt really was split
 
 
+def test_decodes_come_first_when_an_important_prompt_is_chunked():
+    """Under the priority policy a prompt being chunked can outrank running
+    decodes; its step still lists the one-token decodes first (the GPU's
+    attention splits a batch at its first longer sequence)."""
+    engine = SimulatedEngine(num_blocks=400, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                             policy="priority")
+    for i in range(3):
+        engine.add(f"short{i}", [i + 1, i + 2, i + 3], max_tokens=50, priority=5)
+    for _ in range(2):
+        engine.step()
+    engine.add("long", list(range(300)), max_tokens=2, priority=0)
+    mixed = 0
+    for _ in range(8):
+        lengths = [len(item.token_ids) for item in engine.step().scheduled]
+        assert lengths == sorted(lengths, key=lambda n: n > 1)
+        mixed += 1 in lengths and max(lengths) > 1
+    assert mixed >= 1
+
+
 def test_a_lone_request_the_whole_cache_cannot_grow_is_capped():
     """Two blocks of 4 tokens: a request alone at 8 tokens cannot get a slot
     for its next one. It ends (FINISHED_LENGTH, in SchedulerOutput.capped)

@@ -56,6 +56,33 @@ def expected(items):
     return ids, positions, slots, qsl, sample_rows, tables, seq_lens
 
 
+def check_prefill(metadata, items):
+    """The prefill view of the metadata against the obvious construction:
+    the sequences after the leading decodes, renumbered from 0, and (when
+    any has a cached prefix) every context token's cache slot."""
+    num_decodes = next((i for i, item in enumerate(items) if len(item.token_ids) != 1), len(items))
+    assert metadata.num_decodes == num_decodes
+    prefill = metadata.prefill
+    if num_decodes == len(items):
+        assert prefill is None
+        return
+    rest = items[num_decodes:]
+    qsl, ssl, slots = [0], [0], []
+    for item in rest:
+        seq_len = item.start_position + len(item.token_ids)
+        qsl.append(qsl[-1] + len(item.token_ids))
+        ssl.append(ssl[-1] + seq_len)
+        slots += [item.new_block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
+    assert prefill.query_start_loc.tolist() == qsl and prefill.query_start_loc.dtype == torch.int32
+    assert prefill.max_query_len == max(len(item.token_ids) for item in rest)
+    assert prefill.max_seq_len == max(item.start_position + len(item.token_ids) for item in rest)
+    if any(item.start_position for item in rest):
+        assert prefill.seq_start_loc.tolist() == ssl and prefill.seq_start_loc.dtype == torch.int32
+        assert prefill.context_slots.tolist() == slots and prefill.context_slots.dtype == torch.int64
+    else:
+        assert prefill.seq_start_loc.tolist() == qsl and prefill.context_slots is None
+
+
 def test_mixed_step_matches_per_token_construction():
     # A prefill, a chunk in the middle of a prompt (no sampling), a prefix hit
     # resuming after two full blocks, and two decodes.
@@ -73,6 +100,15 @@ def test_mixed_step_matches_per_token_construction():
     assert (md.max_query_len, md.max_seq_len) == (7, max(seq_lens)) == (7, 13)
     assert inputs.query_start_loc.tolist() == qsl
     assert (inputs.num_reqs, inputs.num_tokens, inputs.padded_batch_size) == (5, 17, None)
+    check_prefill(md, items)
+
+
+def test_decodes_first_then_prefills_with_and_without_prefixes():
+    buffers = make_buffers()
+    decodes = [request(0, 12, 1), request(1, 2, 1)]
+    fresh = [request(2, 0, 7), request(3, 0, 3)]
+    for items in (decodes + fresh, decodes + [request(4, 8, 3)] + fresh, fresh, decodes):
+        check_prefill(buffers.prepare(*one_step(items)).metadata, items)
 
 
 def test_random_steps_reuse_the_same_buffers():
@@ -101,6 +137,7 @@ def test_random_steps_reuse_the_same_buffers():
         assert md.block_tables.tolist() == tables
         assert md.seq_lens.tolist() == seq_lens
         assert inputs.logits_indices.tolist() == sample_rows
+        check_prefill(md, items)
         now = [t.data_ptr() for t in (inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens,
                                       md.query_start_loc)]
         assert addresses in (None, now)
@@ -127,6 +164,7 @@ def test_decode_step_padded_to_a_graph_batch_size():
         assert md.block_tables[row, : len(item.new_block_ids)].tolist() == item.new_block_ids
     assert md.block_tables[3:, 0].tolist() == [0, 0, 0]
     assert md.max_query_len == 1 and md.max_seq_len == MAX_BLOCKS * BLOCK_SIZE
+    assert md.num_decodes == 6 and md.prefill is None
     # Logits only for the real rows; the host copy of query_start_loc too.
     assert inputs.logits_indices.tolist() == sample_rows == [0, 1, 2]
     assert inputs.query_start_loc.tolist() == qsl

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Speed of the Triton prefill/extend attention over the paged KV cache on a
-GPU, beside torch SDPA (FlashAttention on contiguous K/V, no paging) on the
-same causal work.
+"""Speed of the prefill/extend attention over the paged KV cache on a GPU:
+the flash path the layer takes for fp16/bf16 (flash_prefill.py: torch's
+varlen flash kernel on the new tokens' K/V, or on K/V gathered from the pages
+when there is a prefix, the gather timed with it) and the Triton kernel,
+beside torch SDPA (FlashAttention on contiguous K/V, no paging) on the same
+causal work.
 
 For each case: time per call (CUDA events, median), the attention FLOPs
 actually needed (4 x head_size per visible query-key pair per head, causal),
@@ -16,11 +19,16 @@ import json
 import math
 
 import torch
+import torch.nn.attention
 from bench_ops import median_ms
 
-from pagoda.model_executor.layers import triton_attention
+from pagoda.forward_context import PrefillMetadata
+from pagoda.model_executor.layers import flash_prefill, triton_attention
 from pagoda.model_executor.layers.triton_attention import paged_prefill_attention
+from pagoda.worker.input_buffers import context_slots
 
+SDPA_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+                 torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
 # (name, q heads, kv heads, head size, context lengths, new tokens)
 CASES = [
     ("llama3-8b 4x2048 prefill", 32, 8, 128, [2048] * 4, [2048] * 4),
@@ -65,23 +73,52 @@ def main() -> None:
         ms = median_ms(lambda: paged_prefill_attention(**batch, out=out))
         pairs = sum(q * (s - q) + q * (q + 1) // 2 for s, q in zip(seq_lens, q_lens))
         flops = 4 * head_size * heads * pairs
-        row = dict(case=name, ms=ms, tflops=flops / ms / 1e9, sdpa_ms=None)
+        flash_ms = median_ms(lambda: flash_prefill.prefill_attention(*flash_args(batch, kv_heads, seq_lens, q_lens)))
+        row = dict(case=name, ms=ms, tflops=flops / ms / 1e9, flash_ms=flash_ms, flash_tflops=flops / flash_ms / 1e9,
+                   sdpa_ms=None)
         if seq_lens == q_lens and len(set(q_lens)) == 1:
             shape = (len(q_lens), heads, q_lens[0], head_size)
             q = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
             k, v = torch.randn_like(q), torch.randn_like(q)  # K/V heads already expanded for GQA
             sdpa = torch.nn.functional.scaled_dot_product_attention
             row["sdpa_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True))
+            for backend in SDPA_BACKENDS:  # each of SDPA's kernels, where it takes the case
+                with torch.nn.attention.sdpa_kernel(backend):
+                    try:
+                        row[f"sdpa_{backend.name.lower()}_ms"] = median_ms(lambda: sdpa(q, k, v, is_causal=True))
+                    except RuntimeError:
+                        row[f"sdpa_{backend.name.lower()}_ms"] = None
         rows.append(row)
     print(f"{torch.cuda.get_device_name()}  bf16, block size 16")
-    print(f"{'case':<30}{'ms':>9}{'TFLOP/s':>9}{'SDPA ms':>9}{'vs SDPA':>9}")
+    print(f"{'case':<30}{'flash ms':>9}{'TFLOP/s':>9}{'Triton ms':>10}{'TFLOP/s':>9}{'SDPA ms':>9}"
+          f"{'flash vs SDPA':>15}{'Triton vs SDPA':>16}")
     for r in rows:
-        sdpa = f"{r['sdpa_ms']:>9.3f}{r['sdpa_ms'] / r['ms']:>8.2f}x" if r["sdpa_ms"] else ""
-        print(f"{r['case']:<30}{r['ms']:>9.3f}{r['tflops']:>9.0f}{sdpa}")
+        sdpa = (f"{r['sdpa_ms']:>9.3f}{r['sdpa_ms'] / r['flash_ms']:>14.2f}x{r['sdpa_ms'] / r['ms']:>15.2f}x"
+                if r["sdpa_ms"] else "")
+        print(f"{r['case']:<30}{r['flash_ms']:>9.3f}{r['flash_tflops']:>9.0f}{r['ms']:>10.3f}{r['tflops']:>9.0f}{sdpa}")
+    for r in rows:
+        kernels = {b.name.lower(): r.get(f"sdpa_{b.name.lower()}_ms") for b in SDPA_BACKENDS}
+        print(f"SDPA by kernel, {r['case']}: " + ", ".join(f"{k} {v:.3f} ms" if v else f"{k} n/a" for k, v in kernels.items()))
     print("MMA instructions in the compiled variants:", mma_kinds())
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=rows, mma=mma_kinds()), f, indent=1)
+
+
+def flash_args(batch, num_kv_heads, seq_lens, q_lens):
+    """flash_prefill.prefill_attention's arguments for the batch: the new
+    tokens' own K/V when there is no prefix, else the pages gathered."""
+    query, key_cache = batch["query"], batch["key_cache"]
+    num_tokens, head_size = query.shape[0], query.shape[2]
+    key = torch.randn(num_tokens, num_kv_heads, head_size, device="cuda", dtype=query.dtype)
+    query_start_loc = batch["query_start_loc"]
+    if seq_lens == q_lens:
+        prefill = PrefillMetadata(query_start_loc, query_start_loc, max(q_lens), max(seq_lens), None)
+    else:
+        seq_start_loc = torch.tensor([0, *seq_lens], device="cuda").cumsum(0).int()
+        slots = context_slots(batch["block_tables"], seq_start_loc, sum(seq_lens), key_cache.shape[1])
+        prefill = PrefillMetadata(query_start_loc, seq_start_loc, max(q_lens), max(seq_lens), slots)
+    return query, key, torch.randn_like(key), key_cache, batch["value_cache"], prefill, batch["scale"]
 
 
 def mma_kinds() -> dict[str, int]:

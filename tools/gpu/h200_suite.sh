@@ -37,7 +37,7 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
 step build 300 python3 tools/build_ext.py --cuda-archs sm_90a || { cat "$out/build.log"; exit 1; }
 
 if [[ $stage == check || $stage == all ]]; then
-  step ops_cuda 200 python3 -m pytest -q -k "cuda or triton or sampling" tests/ops
+  step ops_cuda 200 python3 -m pytest -q -k "cuda or triton or sampling or flash" tests/ops
   step gpu_engine 220 python3 -m pytest -q tests/gpu
 fi
 

@@ -136,7 +136,7 @@ class Scheduler:
 
         # Running requests first; on a full pool the last running request is
         # preempted (recomputed later) to make room.
-        index = 0
+        index, extending = 0, False
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(self._num_uncomputed(request), budget)
@@ -157,8 +157,14 @@ class Scheduler:
             if num_new == 0:
                 continue  # request itself was preempted or capped: it left self.running
             self._add_to_step(output, request, num_new)
+            extending |= num_new > 1
             budget -= num_new
             index += 1
+        if extending:
+            # Decodes first (stable): the GPU's attention takes the leading
+            # one-token sequences to its decode kernel and the rest to its
+            # prefill kernel, splitting the batch at the first longer one.
+            output.scheduled.sort(key=lambda item: len(item.token_ids) > 1)
 
         # Then waiting requests, in policy order, while there is room and no
         # one was just preempted (they would take the blocks straight back).

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagoda.core.scheduler import SchedulerOutput
-from pagoda.forward_context import AttentionMetadata
+from pagoda.forward_context import AttentionMetadata, PrefillMetadata
 
 _ALIGN = 64  # bytes; every field starts aligned for its dtype and for fast copies
 
@@ -72,6 +72,8 @@ class InputBuffers:
             "pending_dst": (torch.int64, reqs),
             "seq_lens": (torch.int32, reqs),
             "query_start_loc": (torch.int32, reqs + 1),
+            "prefill_query_start_loc": (torch.int32, reqs + 1),
+            "prefill_seq_start_loc": (torch.int32, reqs + 1),
             # Last, so a step copies only the rows it fills: [num_reqs, width] packed.
             "block_tables": (torch.int32, reqs * max_blocks_per_req),
         }
@@ -151,6 +153,9 @@ class InputBuffers:
             self.pending_dst.np[: len(pending)] = query_start_loc[1 : num_reqs + 1][pending] - 1
         max_seq_len = int(seq_lens[:num_reqs].max()) if num_reqs else 0
         max_query_len = int(q_lens.max()) if num_reqs else 0
+        multi = np.flatnonzero(q_lens != 1)
+        num_decodes = int(multi[0]) if len(multi) else num_reqs
+        prefill = self._prefill_host(num_decodes, num_reqs, q_lens, starts) if num_decodes < num_reqs else None
 
         # Rows (requests) and tokens the model sees: equal when padded (decode).
         num_rows, num_input = (num_reqs, num_tokens) if pad_to is None else (pad_to, pad_to)
@@ -183,6 +188,8 @@ class InputBuffers:
             query_start_loc=self.query_start_loc.gpu[: num_rows + 1],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            num_decodes=num_rows if prefill is None else num_decodes,
+            prefill=self._prefill_device(prefill, device_block_tables[num_decodes:]) if prefill else None,
         )
         return ModelInputs(
             input_ids=self.input_ids.gpu[:num_input],
@@ -197,6 +204,31 @@ class InputBuffers:
             padded_batch_size=pad_to,
         )
 
+    def _prefill_host(self, num_decodes: int, num_reqs: int, q_lens: np.ndarray, starts: np.ndarray) -> tuple:
+        """Fills the prefill fields (before the step's copy): the sequences
+        after the leading decodes, renumbered from 0. Returns their host
+        numbers for _prefill_device."""
+        q_lens, starts = q_lens[num_decodes:], starts[num_decodes:]
+        query_start_loc = self.prefill_query_start_loc.np
+        query_start_loc[0] = 0
+        np.cumsum(q_lens, out=query_start_loc[1 : len(q_lens) + 1], dtype=np.int32)
+        seq_lens = starts + q_lens
+        has_prefix = bool(starts.any())
+        if has_prefix:
+            seq_start_loc = self.prefill_seq_start_loc.np
+            seq_start_loc[0] = 0
+            np.cumsum(seq_lens, out=seq_start_loc[1 : len(q_lens) + 1], dtype=np.int32)
+        return len(q_lens), int(q_lens.max()), int(seq_lens.max()), int(seq_lens.sum()), has_prefix
+
+    def _prefill_device(self, prefill: tuple, block_tables: torch.Tensor) -> PrefillMetadata:
+        num, max_query_len, max_seq_len, num_context, has_prefix = prefill
+        query_start_loc = self.prefill_query_start_loc.gpu[: num + 1]
+        if not has_prefix:
+            return PrefillMetadata(query_start_loc, query_start_loc, max_query_len, max_seq_len, None)
+        seq_start_loc = self.prefill_seq_start_loc.gpu[: num + 1]
+        slots = context_slots(block_tables, seq_start_loc, num_context, self.block_size)
+        return PrefillMetadata(query_start_loc, seq_start_loc, max_query_len, max_seq_len, slots)
+
     def _check_capacity(self, num_reqs: int, num_tokens: int, width: int, pad_to: int | None) -> None:
         # The scheduler's limits size these buffers; exceeding them is a bug upstream.
         rows = num_reqs if pad_to is None else pad_to
@@ -207,3 +239,15 @@ class InputBuffers:
             )
         if width > self.max_blocks_per_req:
             raise RuntimeError(f"a block table of {width} blocks exceeds max_blocks_per_req={self.max_blocks_per_req}")
+
+
+def context_slots(block_tables: torch.Tensor, seq_start_loc: torch.Tensor, num_context: int,
+                  block_size: int) -> torch.Tensor:
+    """The cache slot of every context token of every sequence, in order
+    (int64 [num_context]): sequence s owns entries seq_start_loc[s] ..
+    seq_start_loc[s+1]-1, its positions 0, 1, ... On the tensors' device, so
+    a GPU step builds it without reading the device."""
+    token = torch.arange(num_context, device=block_tables.device)
+    seq = torch.searchsorted(seq_start_loc[1:], token.to(seq_start_loc.dtype), right=True)
+    position = token - seq_start_loc[seq]
+    return block_tables[seq, position // block_size].long() * block_size + position % block_size

@@ -1,9 +1,11 @@
 """Paged attention layer: writes the new tokens' K/V into this layer's cache
 and attends over each sequence's cached context, for a whole mixed batch
-(prefill, chunked prefill, prefix hits and decode) in two kernel calls. On
-CUDA, a batch with several new tokens in some sequence goes to the Triton
-prefill kernel (triton_attention.py); decode batches and the CPU use
-ops.paged_attention.
+(prefill, chunked prefill, prefix hits and decode). The CPU runs the whole
+batch through ops.paged_attention. On CUDA, decode batches do too; a batch
+with several new tokens in some sequence splits at metadata.num_decodes: the
+leading decodes go to ops.paged_attention, the prefills to the varlen flash
+kernel (flash_prefill.py) where it serves the dtype and head size, else the
+whole batch to the Triton prefill kernel (triton_attention.py).
 
 The model runner owns the caches: it allocates one (key_cache, value_cache)
 pair per layer, each [num_blocks, block_size, num_kv_heads, head_size] in the
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from pagoda import ops
+from pagoda.model_executor.layers import flash_prefill
 from pagoda.forward_context import get_attention_metadata
 
 
@@ -47,14 +50,22 @@ class Attention(nn.Module):
         ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         args = (q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 self.scale)
-        if q.is_cuda and metadata.max_query_len > 1:
+        if not q.is_cuda or metadata.max_query_len <= 1:
+            out = ops.paged_attention(*args)
+        elif metadata.prefill is not None and flash_prefill.supported(q, self.head_size):
+            out = torch.empty_like(q)
+            n = metadata.num_decodes
+            if n:
+                ops.paged_attention(q[:n], key_cache, value_cache, metadata.block_tables[:n], metadata.seq_lens[:n],
+                                    metadata.query_start_loc[: n + 1], self.scale, out=out[:n])
+            out[n:] = flash_prefill.prefill_attention(q[n:], k[n:], v[n:], key_cache, value_cache, metadata.prefill,
+                                                      self.scale)
+        else:
             # Prefill/extend is matrix-bound: Triton's tensor-core kernel. Imported
             # here so that CPU-only installs never need triton.
             from pagoda.model_executor.layers import triton_attention
 
             out = triton_attention.paged_prefill_attention(*args, max_query_len=metadata.max_query_len)
-        else:
-            out = ops.paged_attention(*args)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
 
