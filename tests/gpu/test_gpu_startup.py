@@ -59,7 +59,7 @@ def test_startup_phases_are_logged(reference, caplog):
     finally:
         logger.removeHandler(caplog.handler)
     lines = caplog.messages
-    for phase in ("weights", "profiling", "Triton prefill kernels", "KV cache", "CUDA graphs"):
+    for phase in ("weights", "profiling", "prefill kernels", "KV cache", "CUDA graphs"):
         assert any(line.startswith(f"{phase}: ") for line in lines), f"no {phase} line in {lines}"
     ready = [line for line in lines if line.startswith("model runner ready on cuda")]
     assert len(ready) == 1 and all(p in ready[0] for p in ("weights", "profiling", "KV cache", "CUDA graphs"))
@@ -79,8 +79,10 @@ def test_no_prefill_kernel_compiles_while_serving(reference):
     new tokens (a prefix hit leaving one block, a chunk's tail) included, so
     none is compiled at first use inside serving, where it holds the engine."""
     # 8 sequences: the profiling step's prompts are long (128 tokens), so it
-    # compiles none of the short runs' variants itself.
-    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy", max_num_seqs=8)
+    # compiles none of the short runs' variants itself. float32: torch's flash
+    # kernel takes bf16/fp16 prefill, Triton the rest.
+    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy", max_num_seqs=8,
+              dtype="float32")
     compiled = _compiled_prefill_variants()
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     base = list(range(1, 33))
@@ -91,4 +93,4 @@ def test_no_prefill_kernel_compiles_while_serving(reference):
     prompts += [base + list(range(200, 200 + n)) for n in (1, 3, 16)]
     for prompt in [base] + prompts:
         llm.generate([prompt], params, use_tqdm=False)
-    assert _compiled_prefill_variants() == compiled
+    assert compiled > 0 and _compiled_prefill_variants() == compiled

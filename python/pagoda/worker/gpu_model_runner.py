@@ -21,6 +21,7 @@ import torch
 
 from pagoda.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.logger import init_logger
+from pagoda.model_executor.layers import flash_prefill
 from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata
 from pagoda.model_executor.layers.triton_attention import variant_query_lens
 from pagoda.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class GPUModelRunner(ModelRunner):
                 f"{outside_torch / GiB:.2f} GiB outside it; gpu_memory_utilization={utilization} of "
                 f"{total / GiB:.1f} GiB leaves {available / GiB:.2f} GiB for the KV cache"
             )
-        with self.startup_phase("Triton prefill kernels") as details:
+        with self.startup_phase("prefill kernels") as details:
             details.append(self._compile_prefill_kernels())
         override = self.cache_config.num_gpu_blocks_override
         if override is not None:
@@ -108,18 +109,23 @@ class GPUModelRunner(ModelRunner):
         return step, np.zeros((len(lengths), max(blocks)), dtype=np.int32)
 
     def _compile_prefill_kernels(self) -> str:
-        """The Triton prefill kernel compiles one variant per query-tile height
-        (from the step's longest new-token run) on first use: compiled here, at
-        start-up, rather than inside the first requests, where a compile holds
-        the engine for up to a second (Triton caches them in ~/.triton: later
-        starts only load them)."""
+        """Layers whose prefill torch's flash kernel serves need nothing. The
+        Triton prefill kernel (the others') compiles one variant per query-tile
+        height (from the step's longest new-token run) on first use: compiled
+        here, at start-up, rather than inside the first requests, where a
+        compile holds the engine for up to a second (Triton caches them in
+        ~/.triton: later starts only load them)."""
+        triton_layers = [layer for layer in self.attention_layers
+                         if not flash_prefill.supported(self.dtype, self.device, layer.head_size)]
+        if not triton_layers:
+            return "torch's flash kernel (nothing to compile)"
         longest = min(self.max_num_tokens, self.model_config.max_model_len)
-        lengths = sorted({n for layer in self.attention_layers
+        lengths = sorted({n for layer in triton_layers
                           for n in variant_query_lens(layer.head_size, self.dtype, longest)})
         with self._stand_in_kv_cache():
             for num_tokens in lengths:
                 self.execute(*self._dummy_step([num_tokens]))
-        return f"query tiles for runs of up to {', '.join(map(str, lengths))} new tokens"
+        return f"Triton: query tiles for runs of up to {', '.join(map(str, lengths))} new tokens"
 
     def capture_model(self) -> None:
         if self.model_config.enforce_eager:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from pagoda import ops
-from pagoda.model_executor.layers import flash_prefill
 from pagoda.forward_context import get_attention_metadata
+from pagoda.model_executor.layers import flash_prefill
 
 
 class Attention(nn.Module):
@@ -52,7 +52,7 @@ class Attention(nn.Module):
                 self.scale)
         if not q.is_cuda or metadata.max_query_len <= 1:
             out = ops.paged_attention(*args)
-        elif metadata.prefill is not None and flash_prefill.supported(q, self.head_size):
+        elif metadata.prefill is not None and flash_prefill.supported(q.dtype, q.device, self.head_size):
             out = torch.empty_like(q)
             n = metadata.num_decodes
             if n:

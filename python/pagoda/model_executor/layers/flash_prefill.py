@@ -3,7 +3,8 @@ that torch ships (the one behind SDPA's flash backend), so prefill runs at the
 speed of the best dense causal kernel on the machine.
 
 That kernel reads contiguous K/V, not pages. A batch whose sequences have no
-cached prefix needs none: the new tokens' K/V are the whole context. A batch
+cached prefix needs none: the new tokens' K/V are the whole context (as
+computed: with an FP8 cache only later steps see them rounded). A batch
 with a prefix (chunked prefill, prefix-cache hits) gathers each sequence's
 context from the cache first, through metadata.prefill.context_slots (the new
 tokens are in the cache already); the gather reads and writes the context's
@@ -28,15 +29,15 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_SIZE = 256
 
 
-def supported(query: torch.Tensor, head_size: int) -> bool:
-    """Whether torch's flash kernel serves this query: CUDA (not ROCm), an
+def supported(dtype: torch.dtype, device: torch.device, head_size: int) -> bool:
+    """Whether torch's flash kernel serves this layer: CUDA (not ROCm), an
     Ampere or newer GPU, fp16/bf16, a head size up to 256 in steps of 8."""
     return (
-        query.is_cuda
-        and query.dtype in _DTYPES
+        device.type == "cuda"
+        and dtype in _DTYPES
         and head_size % 8 == 0
         and head_size <= _MAX_HEAD_SIZE
-        and _flash_device(query.device.index)
+        and _flash_device(device.index)
         and torch.backends.cuda.flash_sdp_enabled()
     )
 
