@@ -125,6 +125,70 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
                                static_cast<cpu::GgufType>(weight_type), out_rows.width);
 }
 
+// A llama-family model's decoder layers in one call (GGUF-packed linears, no
+// biases, one rank): the per-layer sequence of LlamaDecoderLayer.forward,
+// calling the ops above directly, so that a CPU step pays the Python and
+// dispatcher cost of one op instead of about ten per layer, and allocates its
+// intermediates once instead of per layer. Same kernels in the same order as
+// the per-op path, so the results are the same bit for bit.
+//
+// hidden comes in as layer 0's input, already normalized (its input_layernorm),
+// and residual as the embeddings; both are updated in place, hidden ending as
+// the final norm's output. Per layer, weights holds 6 tensors (qkv_proj,
+// o_proj, post_attention_layernorm, gate_up_proj, down_proj, and the norm
+// that follows the layer: the next layer's input_layernorm, or the model's
+// final norm after the last), weight_types the GGUF types of the 4 linears,
+// and kv_caches the key and value cache.
+void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                              at::TensorList weights, at::IntArrayRef weight_types, at::TensorList kv_caches,
+                              const at::Tensor& cos_sin_cache, bool is_neox, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_size, double scale, double epsilon) {
+  check_cpu(hidden, "hidden");
+  const int64_t num_layers = static_cast<int64_t>(weight_types.size()) / 4;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(weight_types.size()) == 4 * num_layers &&
+                        static_cast<int64_t>(weights.size()) == 6 * num_layers &&
+                        static_cast<int64_t>(kv_caches.size()) == 2 * num_layers,
+                    "per layer, weights needs 6 tensors, weight_types 4 and kv_caches 2; got ", weights.size(), ", ",
+                    weight_types.size(), " and ", kv_caches.size());
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be a contiguous [num_tokens, hidden], got ",
+                    hidden.sizes());
+  if (num_layers == 0) return;
+  const int64_t num_tokens = hidden.size(0);
+  const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
+  const int64_t intermediate = weights[3].size(0) / 2;
+  const auto options = hidden.options();
+  at::Tensor qkv = at::empty({num_tokens, q_size + 2 * kv_size}, options);
+  at::Tensor q = qkv.narrow(1, 0, q_size);
+  c10::optional<at::Tensor> k = qkv.narrow(1, q_size, kv_size);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+  const at::Tensor q_heads = q.view({num_tokens, num_heads, head_size});
+  const at::Tensor k_heads = k->view({num_tokens, num_kv_heads, head_size});
+  const at::Tensor v_heads = v.view({num_tokens, num_kv_heads, head_size});
+  at::Tensor attn = at::empty({num_tokens, num_heads, head_size}, options);
+  const at::Tensor attn_rows = attn.view({num_tokens, q_size});
+  at::Tensor x = at::empty_like(hidden);
+  at::Tensor gate_up = at::empty({num_tokens, 2 * intermediate}, options);
+  at::Tensor act = at::empty({num_tokens, intermediate}, options);
+  const c10::optional<at::Tensor> no_bias;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + 6 * l;
+    const int64_t* type = weight_types.data() + 4 * l;
+    at::Tensor key_cache = kv_caches[2 * l], value_cache = kv_caches[2 * l + 1];
+    gguf_linear_cpu(qkv, hidden, w[0], type[0], no_bias, false);
+    rotary_embedding_cpu(positions, q, k, head_size, cos_sin_cache, is_neox);
+    reshape_and_cache_cpu(k_heads, v_heads, key_cache, value_cache, slot_mapping);
+    paged_attention_cpu(attn, q_heads, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+    gguf_linear_cpu(x, attn_rows, w[1], type[1], no_bias, false);
+    fused_add_rms_norm_cpu(x, residual, w[2], epsilon);
+    gguf_linear_cpu(gate_up, x, w[3], type[2], no_bias, false);
+    silu_and_mul_cpu(act, gate_up);
+    gguf_linear_cpu(hidden, act, w[4], type[3], no_bias, false);
+    fused_add_rms_norm_cpu(hidden, residual, w[5], epsilon);
+  }
+}
+
 // Sampling runs on the GPU only (cuda/sampling.cu); on the CPU, Sampler uses
 // torch ops. Registered so that a CPU call says so instead of listing backends.
 void sample_cpu(at::Tensor&, const at::Tensor& logits, const at::Tensor&, const c10::optional<at::Tensor>&,
@@ -156,6 +220,11 @@ TORCH_LIBRARY(pagoda, m) {
       "bool quantize_input=False) -> ()");
   m.def("gguf_embedding(Tensor(a!) out, Tensor ids, Tensor weight, int weight_type) -> ()");
   m.def(
+      "llama_decoder_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] weights, "
+      "int[] weight_types, Tensor(c!)[] kv_caches, Tensor cos_sin_cache, bool is_neox, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, "
+      "int head_size, float scale, float epsilon) -> ()");
+  m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets) -> ()");
 }
@@ -170,5 +239,6 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("linear", &pagoda::linear_cpu);
   m.impl("gguf_linear", &pagoda::gguf_linear_cpu);
   m.impl("gguf_embedding", &pagoda::gguf_embedding_cpu);
+  m.impl("llama_decoder_layers", &pagoda::llama_decoder_layers_cpu);
   m.impl("sample", &pagoda::sample_cpu);
 }

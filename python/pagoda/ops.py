@@ -28,6 +28,7 @@ for _name in (
     "linear",
     "gguf_linear",
     "gguf_embedding",
+    "llama_decoder_layers",
     "sample",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
@@ -161,6 +162,42 @@ def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, weight_type: int, em
     out = torch.empty(*ids.shape, embedding_dim, dtype=torch.float32, device=ids.device)
     torch.ops.pagoda.gguf_embedding(out, ids.contiguous(), weight, weight_type)
     return out
+
+
+def llama_decoder_layers(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    weights: list[torch.Tensor],
+    weight_types: list[int],
+    kv_caches: list[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    scale: float,
+    eps: float,
+) -> None:
+    """A llama-family model's decoder layers in one call, in place (CPU; fp32
+    with GGUF-packed linears, no biases): per layer, qkv = gguf_linear(hidden),
+    rotary_embedding on q and k, reshape_and_cache of k and v,
+    paged_attention, o_proj, fused_add_rms_norm with the post-attention norm,
+    gate_up, silu_and_mul, down, fused_add_rms_norm with the norm after the
+    layer. hidden [num_tokens, hidden_size] enters as layer 0's normalized
+    input and leaves as the last norm's output; residual enters as the
+    embeddings. Per layer: weights = (qkv, o, post-attention norm, gate_up,
+    down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down),
+    kv_caches = (key cache, value cache). llama_decoder_layers_reference is the
+    same in torch."""
+    torch.ops.pagoda.llama_decoder_layers(
+        hidden, residual, positions, weights, weight_types, kv_caches, cos_sin_cache, is_neox, slot_mapping,
+        block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, scale, eps,
+    )
 
 
 def sample(
@@ -352,6 +389,52 @@ def gguf_linear_reference(
     if quantize_input:
         x = gguf_quantize_input_reference(x)
     return linear_reference(x.double(), gguf_dequantize_reference(weight, weight_type), bias).float()
+
+
+def llama_decoder_layers_reference(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    weights: list[torch.Tensor],
+    weight_types: list[int],
+    kv_caches: list[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """llama_decoder_layers from the other ops' references; returns the new
+    (hidden, residual, kv_caches)."""
+    tokens, q_size, kv_size = hidden.shape[0], num_heads * head_size, num_kv_heads * head_size
+    caches = list(kv_caches)
+    for layer in range(len(weight_types) // 4):
+        qkv_w, o_w, post_norm, gate_up_w, down_w, next_norm = weights[6 * layer : 6 * layer + 6]
+        qkv_type, o_type, gate_up_type, down_type = weight_types[4 * layer : 4 * layer + 4]
+        q, k, v = gguf_linear_reference(hidden, qkv_w, qkv_type).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neox)
+        k, v = k.reshape(tokens, num_kv_heads, head_size), v.reshape(tokens, num_kv_heads, head_size)
+        caches[2 * layer], caches[2 * layer + 1] = reshape_and_cache_reference(
+            k, v, caches[2 * layer], caches[2 * layer + 1], slot_mapping
+        )
+        attn = paged_attention_reference(
+            q.reshape(tokens, num_heads, head_size), caches[2 * layer], caches[2 * layer + 1], block_tables,
+            seq_lens, query_start_loc, scale,
+        )
+        x, residual = fused_add_rms_norm_reference(
+            gguf_linear_reference(attn.reshape(tokens, q_size), o_w, o_type), residual, post_norm, eps
+        )
+        act = silu_and_mul_reference(gguf_linear_reference(x, gate_up_w, gate_up_type))
+        hidden, residual = fused_add_rms_norm_reference(
+            gguf_linear_reference(act, down_w, down_type), residual, next_norm, eps
+        )
+    return hidden, residual, caches
 
 
 _WORD = 0xFFFFFFFF

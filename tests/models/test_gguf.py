@@ -167,6 +167,24 @@ def test_smollm2_matches_transformers(smollm2, quantization):
     assert (packed.dtype == torch.uint8) == (quantization == "gguf")
     sequences = [p + g[:-1] for p, g in zip(prompts, greedy)]
     ours = run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [len(p) for p in prompts], [1, 1])
+    # Packed, the layers ran as one native op (ops.llama_decoder_layers).
+    assert (model.model.fused_layer_args() is not None) == (quantization == "gguf")
     for got, want, prompt, new in zip(ours, hf_logits, prompts, greedy):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # logits reach ~40
         assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
+
+
+def test_smollm2_fused_layers_equal_per_op_path(smollm2):
+    """Packed on the CPU, the decoder layers run as one native op; the per-op
+    path (each layer's modules) computes the same logits bit for bit, over
+    prefill, chunked prefill and decode steps of sequences batched together."""
+    folder, _, config, _ = smollm2
+    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE, quantization="gguf")
+    sequences = [list(range(1000 + 97 * s, 1000 + 97 * s + n)) for s, n in enumerate([3, 20, 37])]
+    results = []
+    for fuse in (True, False):
+        model.model.fuse_layers = fuse
+        results.append(run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
+    assert model.model.fused_layer_args() is not None
+    for fused, per_op in zip(*results):
+        assert torch.equal(fused, per_op)

@@ -22,20 +22,11 @@ summation order differs: within 1e-5 of sum |x| |w|.
 import pytest
 import torch
 
+from op_testing import random_blocks
+
 from pagoda import ops
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-
-
-def random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
-    """Every quant pattern (Q8_0 includes -128, which GGUF's quantizer never
-    writes), positive and negative fp16 scales and minimums."""
-    nb = k // ops.GGUF_BLOCK
-    blocks = torch.randint(0, 256, (n, nb, ops.GGUF_BLOCK_BYTES[weight_type]), dtype=torch.uint8)
-    scales = 2 if weight_type == 3 else 1
-    halves = (torch.randn(n, nb, scales) * 0.02).to(torch.float16)
-    blocks[..., : 2 * scales] = halves.view(torch.uint8).reshape(n, nb, 2 * scales)
-    return blocks.reshape(n, -1)
 
 
 def magnitudes(x: torch.Tensor, weight: torch.Tensor, weight_type: int, bias=None) -> torch.Tensor:

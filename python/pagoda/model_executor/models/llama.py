@@ -13,18 +13,21 @@ states are whole on every rank.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from pagoda import ops
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
 from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.model_executor.layers.activation import SiluAndMul
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagoda.model_executor.layers.rotary_embedding import get_rope, rope_parameters_from_config
+from pagoda.forward_context import get_attention_metadata
+from pagoda.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from pagoda.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model_executor.weight_utils import LazyTensor, load_named_weights
 
@@ -115,6 +118,22 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+@dataclass
+class FusedLayerArgs:
+    """What ops.llama_decoder_layers takes besides the step's inputs (see there)."""
+
+    weights: list[torch.Tensor]
+    weight_types: list[int]
+    kv_caches: list[torch.Tensor]
+    cos_sin_cache: torch.Tensor
+    is_neox: bool
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    eps: float
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config, dtype: torch.dtype, attention_cls: type[LlamaAttention]):
         super().__init__()
@@ -123,13 +142,74 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, dtype, attention_cls) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Run the layers in one native op where fused_layer_args() allows it
+        # (tests turn it off to compare with the per-op path).
+        self.fuse_layers = True
+        self._fused_args: FusedLayerArgs | None = None
+        self._fused_for: torch.Tensor | None = None  # the layer-0 key cache _fused_args was worked out for
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        fused = self.fused_layer_args() if self.fuse_layers else None
+        if fused is not None:
+            residual, hidden_states = hidden_states, self.layers[0].input_layernorm(hidden_states)
+            m = get_attention_metadata()
+            ops.llama_decoder_layers(
+                hidden_states, residual, positions, fused.weights, fused.weight_types, fused.kv_caches,
+                fused.cos_sin_cache, fused.is_neox, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
+                fused.num_heads, fused.num_kv_heads, fused.head_size, fused.scale, fused.eps,
+            )
+            return hidden_states
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def fused_layer_args(self) -> FusedLayerArgs | None:
+        """The fused op's arguments where it computes exactly what the layers'
+        forward does -- on the CPU in fp32 on one rank, every linear kept in
+        GGUF blocks without a bias, Llama's own attention and MLP (not Qwen3's
+        q/k norms), KV caches bound -- else None. Worked out once the runner
+        has bound the caches, and again only if it binds others."""
+        key_cache = self.layers[0].self_attn.attn.kv_cache
+        if key_cache is not None and key_cache[0] is self._fused_for:
+            return self._fused_args
+        self._fused_args = self._build_fused_layer_args()
+        self._fused_for = None if key_cache is None else key_cache[0]
+        return self._fused_args
+
+    def _build_fused_layer_args(self) -> FusedLayerArgs | None:
+        if self.norm.weight.device.type != "cpu" or self.norm.weight.dtype != torch.float32:
+            return None
+        if get_tensor_model_parallel_world_size() != 1:
+            return None
+        weights, weight_types, kv_caches = [], [], []
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(attn).forward is not LlamaAttention.forward
+                    or type(attn).position_encode is not LlamaAttention.position_encode
+                    or type(mlp) is not LlamaMLP or type(attn.rotary_emb) is not RotaryEmbedding
+                    or attn.attn.kv_cache is None):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(getattr(lin.weight, "gguf_type", None) is None or lin.bias is not None for lin in linears):
+                return None
+            weights += [attn.qkv_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.weight, mlp.down_proj.weight, next_norm.weight]
+            weight_types += [lin.weight.gguf_type for lin in linears]
+            kv_caches += attn.attn.kv_cache
+        first = self.layers[0].self_attn
+        eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps
+                                                                      for layer in self.layers} | {self.norm.eps}
+        shapes = {(layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads, layer.self_attn.head_dim,
+                   layer.self_attn.attn.scale, layer.self_attn.rotary_emb) for layer in self.layers}
+        if len(eps) != 1 or len(shapes) != 1:
+            return None
+        return FusedLayerArgs(
+            weights, weight_types, kv_caches, first.rotary_emb.cos_sin_cache, first.rotary_emb.is_neox_style,
+            first.attn.num_heads, first.attn.num_kv_heads, first.head_dim, first.attn.scale, eps.pop(),
+        )
 
 
 class LlamaForCausalLM(nn.Module):
