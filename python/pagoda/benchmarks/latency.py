@@ -13,7 +13,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from pagoda.benchmarks.datasets import DatasetSpec, RandomDataset, special_token_ids, verify_fits
-from pagoda.benchmarks.peers import add_compare_args, check_gguf, llama_cpp_binary, run_llama_cpp
+from pagoda.benchmarks.peers import add_compare_args, prepare_peers, print_peer
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, non_negative_int, positive_int
 
 PERCENTAGES = [10, 25, 50, 75, 90, 99]
@@ -42,6 +42,8 @@ def latency_stats(latencies: list[float]) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
+    import torch
+
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
@@ -52,15 +54,16 @@ def main(args: argparse.Namespace) -> dict:
     requests = RandomDataset(model_config.hf_config.vocab_size, args.seed,
                              special_token_ids(model_config.hf_config)).sample(spec)
     verify_fits(requests, model_config.max_model_len)
-    if "llama.cpp" in args.compare:  # checked before the timed runs
-        llama_cpp = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config)
+    if args.compare:  # checked before the timed runs
         if args.n != 1:
-            raise ValueError("--compare llama.cpp runs one sample per prompt: drop --n")
+            raise ValueError("--compare runs one sample per prompt: drop --n")
         if engine_args.enable_prefix_caching:  # else every run after the first finds its prompt cached
-            raise ValueError("--compare llama.cpp times a fresh prefill each run, as llama-batched-bench does: "
+            raise ValueError("--compare times a fresh prefill each run, as the peers do: "
                              "add --no-enable-prefix-caching")
+    temperature = 1.0
+    peers = prepare_peers(args, engine_args, model_config, requests, temperature, torch.get_num_threads())
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(n=args.n, temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
     def run_to_completion() -> float:
         started = time.perf_counter()
@@ -75,16 +78,11 @@ def main(args: argparse.Namespace) -> dict:
     print(f"Avg latency: {results['avg_latency']} seconds")
     for percentage, value in results["percentiles"].items():
         print(f"{percentage}% percentile latency: {value} seconds")
-    if "llama.cpp" in args.compare:
-        import torch
-
-        binary, gguf = llama_cpp
-        peer = run_llama_cpp(binary, gguf, args.batch_size, args.input_len, args.output_len, torch.get_num_threads(),
-                             args.compare_runs)
-        results["llama.cpp"] = peer
-        print(f"llama.cpp latency: {peer['elapsed_time']} seconds (decode {peer['decode_tokens_per_second']:.2f} "
-              f"tok/s; {peer['command']}, median of {len(peer['runs'])})")
-        print(f"pagoda / llama.cpp latency: {results['avg_latency'] / peer['elapsed_time']:.2f}x")
+    for name, run in peers.items():
+        peer = results[name] = run([r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests])
+        print(f"{name} latency: {peer['elapsed_time']} seconds")
+        print_peer(name, peer)
+        print(f"pagoda / {name} latency: {results['avg_latency'] / peer['elapsed_time']:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(results, args=vars(args), engine_args=asdict(engine_args)), f, indent=1, default=str)

