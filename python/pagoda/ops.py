@@ -355,6 +355,31 @@ def gguf_dequantize_reference(weight: torch.Tensor, weight_type: int) -> torch.T
     return values.reshape(rows, -1)
 
 
+# Where each block's fp16 scales (and minimums) lie, and the spread of the
+# random ones gguf_random_blocks writes there: the K-quants' super-block scales
+# multiply 6- or 8-bit sub-block scales.
+_GGUF_FP16_FIELDS = {2: ((0, 0.02),), 3: ((0, 0.02), (2, 0.02)), 8: ((0, 0.02),), 12: ((0, 1e-3), (2, 1e-3)),
+                     14: ((208, 1e-3),)}
+
+
+def gguf_random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
+    """A valid random GGUF-packed weight [n, k] (for tests and benchmarks):
+    every quant byte random (so every quant pattern: Q8_0's -128, which GGUF's
+    quantizer never writes; every K-quant sub-block scale and minimum), fp16
+    scales and minimums normal with both signs."""
+    values, nbytes = GGUF_BLOCKS[weight_type]
+    blocks = torch.randint(0, 256, (n, k // values, nbytes), dtype=torch.uint8)
+    for offset, spread in _GGUF_FP16_FIELDS[weight_type]:
+        halves = (torch.randn(n, k // values, 1) * spread).to(torch.float16)
+        blocks[..., offset : offset + 2] = halves.view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def gguf_fp16_offsets(weight_type: int) -> tuple[int, ...]:
+    """Byte offsets of a block's fp16 scale (and minimum) fields."""
+    return tuple(offset for offset, _ in _GGUF_FP16_FIELDS[weight_type])
+
+
 def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:
     """x (fp32, last dim a multiple of 32) as gguf_linear's kernel sees it:
     each 32-block rounded to d * round(x * (127 / max|x|)), d = max|x| / 127,

@@ -26,23 +26,6 @@ from pagoda import ops
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 K_QUANTS = {"Q4_K": 12, "Q6_K": 14}
-# Where each block's fp16 scales (and minimums) lie, and their spread: the
-# K-quants' super-block scales multiply 6- or 8-bit sub-block scales.
-FP16_FIELDS = {2: (0, 0.02), 3: (0, 0.02, 2, 0.02), 8: (0, 0.02), 12: (0, 1e-3, 2, 1e-3), 14: (208, 1e-3)}
-
-
-def random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
-    """Every quant pattern (Q8_0 includes -128, which GGUF's quantizer never
-    writes; the K-quants every sub-block scale and minimum), positive and
-    negative fp16 scales and minimums."""
-    values, nbytes = ops.GGUF_BLOCKS[weight_type]
-    nb = k // values
-    blocks = torch.randint(0, 256, (n, nb, nbytes), dtype=torch.uint8)
-    fields = FP16_FIELDS[weight_type]
-    for offset, spread in zip(fields[::2], fields[1::2]):
-        halves = (torch.randn(n, nb, 1) * spread).to(torch.float16)
-        blocks[..., offset : offset + 2] = halves.view(torch.uint8)
-    return blocks.reshape(n, -1)
 
 
 def magnitudes(x: torch.Tensor, weight: torch.Tensor, weight_type: int, bias=None) -> torch.Tensor:
@@ -85,7 +68,7 @@ def check(out, x, weight, weight_type, bias=None, quantize_input=False):
 @pytest.mark.parametrize("k,n", [(32, 1), (64, 3), (96, 5), (576, 577), (1536, 64)])
 def test_gguf_linear(name, m, k, n, quantize_input):
     weight_type = TYPES[name]
-    weight = random_blocks(n, k, weight_type)
+    weight = ops.gguf_random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
     check(ops.gguf_linear(x, weight, weight_type, quantize_input=quantize_input), x, weight, weight_type,
           quantize_input=quantize_input)
@@ -98,7 +81,7 @@ def test_gguf_linear(name, m, k, n, quantize_input):
 def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
     """Output rows around the tiles' 2 and 4 weight rows, with a bias."""
     weight_type = TYPES[name]
-    weight = random_blocks(n, 160, weight_type)
+    weight = ops.gguf_random_blocks(n, 160, weight_type)
     x, bias = torch.randn(m, 160), torch.randn(n)
     out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
@@ -109,7 +92,7 @@ def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
 def test_gguf_linear_many_rows_and_bias(name, quantize_input):
     """A vocabulary-sized output (the LM head of a tied GGUF model)."""
     weight_type = TYPES[name]
-    weight = random_blocks(9001, 64, weight_type)
+    weight = ops.gguf_random_blocks(9001, 64, weight_type)
     x, bias = torch.randn(3, 64), torch.randn(9001)
     out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
@@ -122,7 +105,7 @@ def test_gguf_linear_fp32_is_exact_on_exact_sums(name):
     equal the reference bit for bit in any order of sums (a weight off by
     one step would show)."""
     weight_type = TYPES[name]
-    weight = random_blocks(9, 96, weight_type)
+    weight = ops.gguf_random_blocks(9, 96, weight_type)
     blocks = weight.view(9, 3, -1)
     scales = torch.tensor([0.25, -0.5, 0.5], dtype=torch.float16)[torch.randint(0, 3, (9, 3))]
     blocks[..., 0:2] = scales.unsqueeze(-1).view(torch.uint8)
@@ -134,7 +117,7 @@ def test_gguf_linear_fp32_is_exact_on_exact_sums(name):
 
 def test_gguf_linear_outliers_and_zeros():
     """A block of zeros (scale 0) and a block with one large element."""
-    weight = random_blocks(7, 96, 3)
+    weight = ops.gguf_random_blocks(7, 96, 3)
     x = torch.randn(2, 96)
     x[0, :32] = 0
     x[1, 40] = 1e4
@@ -143,7 +126,7 @@ def test_gguf_linear_outliers_and_zeros():
 
 
 def test_gguf_linear_strided_and_leading_dims():
-    weight = random_blocks(10, 64, 8)
+    weight = ops.gguf_random_blocks(10, 64, 8)
     x = torch.randn(6, 70)[:, 3:67]
     buffer = torch.zeros(6, 15)
     ops.gguf_linear(x, weight, 8, out=buffer[:, 2:12])
@@ -156,11 +139,11 @@ def test_gguf_linear_strided_and_leading_dims():
 
 
 def test_gguf_linear_empty():
-    assert ops.gguf_linear(torch.randn(0, 64), random_blocks(4, 64, 2), 2).shape == (0, 4)
+    assert ops.gguf_linear(torch.randn(0, 64), ops.gguf_random_blocks(4, 64, 2), 2).shape == (0, 4)
 
 
 def test_gguf_linear_errors():
-    weight = random_blocks(5, 64, 3)
+    weight = ops.gguf_random_blocks(5, 64, 3)
     with pytest.raises(ValueError, match="multiple of Q4_1's block size 32"):
         ops.gguf_linear(torch.randn(2, 48), weight[:, :30].contiguous(), 3)
     with pytest.raises(ValueError, match="weight rows hold 40 bytes but in_features 96 needs 3 blocks of 20"):
@@ -180,7 +163,7 @@ def test_gguf_linear_errors():
 @pytest.mark.parametrize("name", TYPES)
 def test_gguf_embedding(name):
     weight_type = TYPES[name]
-    weight = random_blocks(300, 96, weight_type)
+    weight = ops.gguf_random_blocks(300, 96, weight_type)
     ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
     out = ops.gguf_embedding(ids, weight, weight_type, 96)
     assert out.shape == (2, 3, 96)
@@ -195,7 +178,7 @@ def test_dequantize_reference_matches_gguf_package(name):
     the bit."""
     gguf = pytest.importorskip("gguf")
     weight_type = {**TYPES, **K_QUANTS}[name]
-    weight = random_blocks(4, 512, weight_type)
+    weight = ops.gguf_random_blocks(4, 512, weight_type)
     want = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name])
     torch.testing.assert_close(ops.gguf_dequantize_reference(weight, weight_type), torch.from_numpy(want), rtol=0, atol=0)
 
@@ -215,7 +198,7 @@ K_QUANT_SHAPES += [(1, 256, 9001), (3, 256, 9001)]
 @pytest.mark.parametrize("m,k,n", K_QUANT_SHAPES)
 def test_gguf_linear_k_quants(name, m, k, n, bias):
     weight_type = K_QUANTS[name]
-    weight = random_blocks(n, k, weight_type)
+    weight = ops.gguf_random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
     b = torch.randn(n) if bias else None
     check(ops.gguf_linear(x, weight, weight_type, b), x, weight, weight_type, b)
@@ -228,9 +211,9 @@ def test_gguf_linear_k_quants_exact_on_exact_sums(name):
     the kernel must equal the reference bit for bit; a sub-block scale,
     minimum or quant read from the wrong place would show."""
     weight_type = K_QUANTS[name]
-    weight = random_blocks(11, 256, weight_type)
+    weight = ops.gguf_random_blocks(11, 256, weight_type)
     sixteenth = torch.tensor([0.0625, -0.0625], dtype=torch.float16)[torch.randint(0, 2, (11, 2))]
-    for i, offset in enumerate(FP16_FIELDS[weight_type][::2]):
+    for i, offset in enumerate(ops.gguf_fp16_offsets(weight_type)):
         weight[:, offset : offset + 2] = sixteenth[:, i : i + 1].view(torch.uint8)
     x = torch.randint(-4, 5, (5, 256)).float() / 4
     assert torch.equal(ops.gguf_linear(x, weight, weight_type), ops.gguf_linear_reference(x, weight, weight_type))
@@ -239,14 +222,14 @@ def test_gguf_linear_k_quants_exact_on_exact_sums(name):
 @pytest.mark.parametrize("name", K_QUANTS)
 def test_gguf_embedding_k_quants(name):
     weight_type = K_QUANTS[name]
-    weight = random_blocks(50, 512, weight_type)
+    weight = ops.gguf_random_blocks(50, 512, weight_type)
     ids = torch.tensor([[0, 49, 7], [7, 25, 1]])
     out = ops.gguf_embedding(ids, weight, weight_type, 512)
     torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
 
 
 def test_gguf_linear_k_quants_errors():
-    weight = random_blocks(5, 512, 14)
+    weight = ops.gguf_random_blocks(5, 512, 14)
     with pytest.raises(ValueError, match=r"in_features \(288\) must be a multiple of Q6_K's block size 256"):
         ops.gguf_linear(torch.randn(2, 288), weight, 14)
     with pytest.raises(ValueError, match="in_features 256 needs 1 blocks of 144 bytes"):
@@ -256,10 +239,10 @@ def test_gguf_linear_k_quants_errors():
 
 
 def test_gguf_opcheck():
-    weight = random_blocks(5, 64, 8)
+    weight = ops.gguf_random_blocks(5, 64, 8)
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None))
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default,
                           (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None, True))
     torch.library.opcheck(torch.ops.pagoda.gguf_embedding.default, (torch.empty(2, 64), torch.tensor([0, 4]), weight, 8))
-    k_quant = random_blocks(5, 256, 12)
+    k_quant = ops.gguf_random_blocks(5, 256, 12)
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 256), k_quant, 12, None))
