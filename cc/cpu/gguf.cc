@@ -340,6 +340,7 @@ struct F32Tile {
       QuantBlock<F> blocks[NB];
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) blocks[n].load(w + n * row_bytes + b * BlockTraits<F>::kBytes);
+#pragma GCC unroll 8
       for (int s = 0; s < QuantBlock<F>::kSubBlocks; ++s) {
         const float* xs = xm + b * BlockTraits<F>::kValues + s * kBlock;
         Vec wv[NB][kVecs];
