@@ -234,31 +234,40 @@ inline LinearArgs check_linear(const at::Tensor& out, const at::Tensor& input, c
                     in_rows.count, N, K, dtype};
 }
 
-// GGUF-packed weights (CPU only): uint8 [N, K / 32 * block bytes] in GGUF's
-// block layout, weight_type one of GGML's type ids Q4_0 (2), Q4_1 (3), Q8_0 (8).
+// GGUF-packed weights (CPU only): uint8 [N, K / values * bytes] in GGUF's
+// block layout, weight_type one of GGML's type ids below.
 constexpr int64_t kGgufBlock = 32;
 
-inline int64_t gguf_block_bytes(int64_t weight_type) {
+struct GgufBlock {
+  const char* name;
+  int64_t values, bytes;
+};
+
+inline GgufBlock gguf_block(int64_t weight_type) {
   switch (weight_type) {
-    case 2: return 18;  // Q4_0
-    case 3: return 20;  // Q4_1
-    case 8: return 34;  // Q8_0
+    case 2: return {"Q4_0", kGgufBlock, 18};
+    case 3: return {"Q4_1", kGgufBlock, 20};
+    case 8: return {"Q8_0", kGgufBlock, 34};
+    case 12: return {"Q4_K", 256, 144};
+    case 14: return {"Q6_K", 256, 210};
     default:
       TORCH_CHECK_VALUE(false, "weight_type ", weight_type,
-                        " is not a GGUF block format with a kernel here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+                        " is not a GGUF block format with a kernel here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
+                        "Q6_K = 14)");
   }
 }
 
 // The logical in_features K of a packed weight, from its row bytes.
 inline void check_gguf_weight(const at::Tensor& weight, int64_t weight_type, int64_t K) {
-  const int64_t block_bytes = gguf_block_bytes(weight_type);
+  const GgufBlock block = gguf_block(weight_type);
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kByte, "weight must be uint8 (GGUF blocks), got ", weight.scalar_type());
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous(),
                     "weight must be a contiguous 2-D [out_features, row bytes] tensor, got shape ", weight.sizes(),
                     " strides ", weight.strides());
-  TORCH_CHECK_VALUE(K % kGgufBlock == 0, "in_features (", K, ") must be a multiple of GGUF's block size ", kGgufBlock);
-  TORCH_CHECK_VALUE(weight.size(1) == K / kGgufBlock * block_bytes, "weight rows hold ", weight.size(1),
-                    " bytes but in_features ", K, " needs ", K / kGgufBlock, " blocks of ", block_bytes, " bytes");
+  TORCH_CHECK_VALUE(K % block.values == 0, "in_features (", K, ") must be a multiple of ", block.name,
+                    "'s block size ", block.values);
+  TORCH_CHECK_VALUE(weight.size(1) == K / block.values * block.bytes, "weight rows hold ", weight.size(1),
+                    " bytes but in_features ", K, " needs ", K / block.values, " blocks of ", block.bytes, " bytes");
 }
 
 struct GgufLinearArgs {

@@ -100,6 +100,9 @@ void gguf_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                      const c10::optional<at::Tensor>& bias, bool quantize_input) {
   check_cpu(input, "input");
   GgufLinearArgs a = check_gguf_linear(out, input, weight, weight_type, bias);
+  const GgufBlock block = gguf_block(weight_type);
+  TORCH_CHECK_VALUE(!quantize_input || block.values == kGgufBlock,
+                    "quantize_input (int8 blocks) is implemented for Q4_0, Q4_1 and Q8_0, not ", block.name);
   cpu_kernels().gguf_linear(static_cast<float*>(a.out.data), a.out.stride, static_cast<const float*>(a.input.data),
                             a.input.stride, a.weight, static_cast<cpu::GgufType>(weight_type), a.bias, a.M, a.N,
                             a.K, quantize_input);

@@ -22,6 +22,12 @@
 //   AVX-512 build differs in its 32 vector registers and, where the CPU has
 //   AVX512_VNNI (checked at run time), in one vpdpbusd per block.
 //
+// The K-quants (Q4_K, Q6_K) pack 256 values per super-block, with a scale
+// (Q4_K: and a minimum) per sub-block of 32 (Q6_K: of 16) values. They take
+// the fp32 path only: a super-block's scales are decoded once per weight row,
+// then its eight sub-blocks of 32 go through the same tiles as the 32-value
+// formats, again to exactly gguf_dequantize_reference's fp32 values.
+//
 // Threads split the output rows (weight rows) into contiguous ranges, the same
 // for every chunk of input rows, so a thread's weight rows stay in its caches
 // while it walks the inputs kInputChunk rows at a time.
@@ -49,23 +55,32 @@ struct Int {
 // Block layouts (little-endian, as in the file): an fp16 scale d (Q4_1: then
 // an fp16 minimum m) and 32 quants. Q8_0: int8 q, x = d * q. Q4_0 and Q4_1:
 // 16 bytes, element j in the low nibble of byte j and element j + 16 in its
-// high nibble; Q4_0 x = d * (q - 8), Q4_1 x = d * q + m.
+// high nibble; Q4_0 x = d * (q - 8), Q4_1 x = d * q + m. The K-quants'
+// super-blocks of 256 values: see QuantBlock below.
 template <GgufType F>
 struct BlockTraits;
 template <>
 struct BlockTraits<GgufType::kQ4_0> {
-  static constexpr int64_t kBytes = 18;
+  static constexpr int64_t kValues = kBlock, kBytes = 18;
   static constexpr bool kSigned = true;
 };
 template <>
 struct BlockTraits<GgufType::kQ4_1> {
-  static constexpr int64_t kBytes = 20;
+  static constexpr int64_t kValues = kBlock, kBytes = 20;
   static constexpr bool kSigned = false;
 };
 template <>
 struct BlockTraits<GgufType::kQ8_0> {
-  static constexpr int64_t kBytes = 34;
+  static constexpr int64_t kValues = kBlock, kBytes = 34;
   static constexpr bool kSigned = true;
+};
+template <>
+struct BlockTraits<GgufType::kQ4_K> {
+  static constexpr int64_t kValues = 256, kBytes = 144;
+};
+template <>
+struct BlockTraits<GgufType::kQ6_K> {
+  static constexpr int64_t kValues = 256, kBytes = 210;
 };
 
 inline float fp16_at(const uint8_t* p) {
@@ -139,7 +154,7 @@ inline Vec scale_at(const uint8_t* p) {
 
 // The block's 32 weights, the very fp32 values of gguf_dequantize_reference.
 template <GgufType F>
-inline void dequantize(const uint8_t* block, Vec out[kVecs]) {
+inline void dequantize_block(const uint8_t* block, Vec out[kVecs]) {
 #ifdef __AVX512F__
   if constexpr (F != GgufType::kQ8_0) {
     // A 4-bit quant takes one of 16 values: compute them once (one vector)
@@ -176,6 +191,120 @@ inline void dequantize(const uint8_t* block, Vec out[kVecs]) {
   }
 }
 
+// kLanes bytes at p as fp32 lanes (int8 or uint8).
+template <bool Signed>
+inline Vec byte_lanes(const uint8_t* p) {
+#ifdef __AVX512F__
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#endif
+}
+
+// The 32 bytes at p shifted right by `shift` bits each, masked to `mask`.
+inline __m256i bits(const uint8_t* p, int shift, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+// One block of a row, read sub-block by sub-block of kBlock values:
+// dequantize(s, out) gives sub-block s's 32 fp32 weights. The 32-value
+// formats are their own single sub-block.
+template <GgufType F>
+struct QuantBlock {
+  static constexpr int kSubBlocks = 1;
+  const uint8_t* block;
+  void load(const uint8_t* p) { block = p; }
+  void dequantize(int, Vec out[kVecs]) const { dequantize_block<F>(block, out); }
+};
+
+// Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and
+// minimums m for 8 sub-blocks, 128 bytes of 4-bit quants (sub-blocks 2c and
+// 2c + 1 in the low and high nibbles of bytes 32c..32c+31). x = (d * sc) * q -
+// dmin * m: d * sc and d * sc * q are exact in fp32 (11 + 6 + 4 bits), so one
+// fused multiply-subtract rounds as the reference's subtraction does.
+template <>
+struct QuantBlock<GgufType::kQ4_K> {
+  static constexpr int kSubBlocks = 8;
+  const uint8_t* qs;
+  float scale[16];  // d * sc of sub-blocks 0..7, then dmin * m of 0..7
+
+  void load(const uint8_t* p) {
+    qs = p + 16;
+    // llama.cpp's unpacking: bytes 0-3 hold sc 0-3 (low 6 bits), 4-7 m 0-3;
+    // sc and m 4-7 are the nibbles of bytes 8-11 with the top 2 bits of
+    // bytes 0-3 (sc) and 4-7 (m) above them.
+    uint32_t u[4];
+    __builtin_memcpy(u, p + 4, 12);
+    const uint32_t m_low = u[1] & 0x3f3f3f3fu;
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = m_low;
+    u[0] &= 0x3f3f3f3fu;
+    const uint8_t* sc_m = reinterpret_cast<const uint8_t*>(u);
+#ifdef __AVX512F__
+    const __m512 d_dmin = _mm512_mask_blend_ps(0xff00, scale_at(p).v, scale_at(p + 2).v);
+    vec::store<DType::kFloat32>(scale, byte_lanes<false>(sc_m) * d_dmin);
+#else
+    vec::store<DType::kFloat32>(scale, byte_lanes<false>(sc_m) * scale_at(p));
+    vec::store<DType::kFloat32>(scale + 8, byte_lanes<false>(sc_m + 8) * scale_at(p + 2));
+#endif
+  }
+
+  void dequantize(int s, Vec out[kVecs]) const {
+    const uint8_t* q = qs + (s >> 1) * 32;
+    const int shift = (s & 1) * 4;
+#ifdef __AVX512F__
+    // As Q4_1: the 16 possible values, looked up by vpermps (low 4 bits of
+    // each index lane).
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m512i low = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), count);
+    const __m512i high =
+        _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))), count);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = _mm512_fmsub_ps(iota, _mm512_set1_ps(scale[s]), _mm512_set1_ps(scale[8 + s]));
+    out[0] = _mm512_permutexvar_ps(low, values);
+    out[1] = _mm512_permutexvar_ps(high, values);
+#else
+    widen(bits(q, shift, 0x0f), out);
+    const Vec sc = vec::set1(scale[s]), m = vec::set1(scale[8 + s]);
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) out[v] = vec::fmsub(out[v], sc, m);
+#endif
+  }
+};
+
+// Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16
+// int8 scales sc (one per 16 values), fp16 d. Sub-block s (32 values) of half
+// h = s / 4, t = s % 4: low bits from the nibble t / 2 of ql bytes 64h +
+// 32 (t % 2) .., high bits 2t..2t+1 of qh bytes 32h ..; x = (d * sc) *
+// (q - 32), exact in fp32 (11 + 7 + 5 bits).
+template <>
+struct QuantBlock<GgufType::kQ6_K> {
+  static constexpr int kSubBlocks = 8;
+  const uint8_t* ql;
+  float scale[16];  // d * sc
+
+  void load(const uint8_t* p) {
+    ql = p;
+    const Vec d = scale_at(p + 208);
+#pragma GCC unroll 2
+    for (int i = 0; i < 16; i += vec::kLanes) vec::store<DType::kFloat32>(scale + i, byte_lanes<true>(p + 192 + i) * d);
+  }
+
+  void dequantize(int s, Vec out[kVecs]) const {
+    const int h = s >> 2, t = s & 3;
+    const __m256i low = bits(ql + 64 * h + 32 * (t & 1), 4 * (t >> 1), 0x0f);
+    const __m256i high = bits(ql + 128 + 32 * h, 2 * t, 0x03);
+    widen(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32)), out);
+    // Sub-block s spans scales 2s and 2s + 1, 16 values each.
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) out[v] = out[v] * vec::set1(scale[2 * s + v * vec::kLanes / 16]);
+  }
+};
+
 // An NB x MB tile of fp32 products: NB weight rows (row_bytes apart from w)
 // by MB input rows (x_stride apart from x), the blocks of NB rows dequantized
 // once for all MB inputs.
@@ -208,16 +337,23 @@ struct F32Tile {
     const NextTile next(w + NB * row_bytes, NB * row_bytes, nb);
     for (int64_t b = 0; b < nb; ++b) {
       next.fetch(b);
-      Vec wv[NB][kVecs];
+      QuantBlock<F> blocks[NB];
 #pragma GCC unroll 4
-      for (int n = 0; n < NB; ++n) dequantize<F>(w + n * row_bytes + b * BlockTraits<F>::kBytes, wv[n]);
+      for (int n = 0; n < NB; ++n) blocks[n].load(w + n * row_bytes + b * BlockTraits<F>::kBytes);
+#pragma GCC unroll 8
+      for (int s = 0; s < QuantBlock<F>::kSubBlocks; ++s) {
+        const float* xs = xm + b * BlockTraits<F>::kValues + s * kBlock;
+        Vec wv[NB][kVecs];
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; ++m) {
+        for (int n = 0; n < NB; ++n) blocks[n].dequantize(s, wv[n]);
 #pragma GCC unroll 4
-        for (int v = 0; v < kVecs; ++v) {
-          const Vec xv = vec::load<DType::kFloat32>(xm + m * x_stride + b * kBlock + v * vec::kLanes);
+        for (int m = 0; m < MB; ++m) {
 #pragma GCC unroll 4
-          for (int n = 0; n < NB; ++n) acc[m][n] = vec::fmadd(xv, wv[n][v], acc[m][n]);
+          for (int v = 0; v < kVecs; ++v) {
+            const Vec xv = vec::load<DType::kFloat32>(xs + m * x_stride + v * vec::kLanes);
+#pragma GCC unroll 4
+            for (int n = 0; n < NB; ++n) acc[m][n] = vec::fmadd(xv, wv[n][v], acc[m][n]);
+          }
         }
       }
     }
@@ -360,15 +496,11 @@ void multiply(const Tile& tile, float* out, int64_t out_stride, const float* bia
   }
 }
 
+// The int8 path of the 32-value formats.
 template <GgufType F>
-void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_t input_stride,
-                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K,
-                      bool quantize_input) {
-  const int64_t nb = K / kBlock;
-  const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
-  if (!quantize_input) {
-    return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
-  }
+void gguf_linear_int8(float* out, int64_t out_stride, const float* input, int64_t input_stride,
+                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb,
+                      int64_t row_bytes) {
   QBlock* x = new QBlock[M * nb];
   vec::parallel_for_rows(M, K, [&](int64_t m) {
     for (int64_t b = 0; b < nb; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nb + b);
@@ -386,17 +518,36 @@ void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_
 }
 
 template <GgufType F>
+void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_t input_stride,
+                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K,
+                      bool quantize_input) {
+  const int64_t nb = K / BlockTraits<F>::kValues;
+  const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
+  if (!quantize_input) {
+    return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
+  }
+  if constexpr (BlockTraits<F>::kValues == kBlock) {
+    gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb, row_bytes);
+  }
+}
+
+template <GgufType F>
 void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int64_t num_ids,
                          const uint8_t* weight, int64_t K) {
-  const int64_t nb = K / kBlock;
+  const int64_t nb = K / BlockTraits<F>::kValues;
   const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
   vec::parallel_for_rows(num_ids, K, [&](int64_t i) {
     const uint8_t* row = weight + ids[i] * row_bytes;
+    float* o = out + i * out_stride;
     for (int64_t b = 0; b < nb; ++b) {
-      Vec values[kVecs];
-      dequantize<F>(row + b * BlockTraits<F>::kBytes, values);
-      for (int v = 0; v < kVecs; ++v) {
-        vec::store<DType::kFloat32>(out + i * out_stride + b * kBlock + v * vec::kLanes, values[v]);
+      QuantBlock<F> block;
+      block.load(row + b * BlockTraits<F>::kBytes);
+      for (int s = 0; s < QuantBlock<F>::kSubBlocks; ++s) {
+        Vec values[kVecs];
+        block.dequantize(s, values);
+        for (int v = 0; v < kVecs; ++v) {
+          vec::store<DType::kFloat32>(o + b * BlockTraits<F>::kValues + s * kBlock + v * vec::kLanes, values[v]);
+        }
       }
     }
   });
@@ -418,6 +569,12 @@ void gguf_linear(float* out, int64_t out_stride, const float* input, int64_t inp
     case GgufType::kQ8_0:
       return gguf_linear_impl<GgufType::kQ8_0>(out, out_stride, input, input_stride, w, bias, M, N, K,
                                                quantize_input);
+    case GgufType::kQ4_K:
+      return gguf_linear_impl<GgufType::kQ4_K>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input);
+    case GgufType::kQ6_K:
+      return gguf_linear_impl<GgufType::kQ6_K>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input);
   }
 }
 
@@ -429,6 +586,8 @@ void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids, int64_t 
     case GgufType::kQ4_0: return gguf_embedding_impl<GgufType::kQ4_0>(out, out_stride, ids, num_ids, w, K);
     case GgufType::kQ4_1: return gguf_embedding_impl<GgufType::kQ4_1>(out, out_stride, ids, num_ids, w, K);
     case GgufType::kQ8_0: return gguf_embedding_impl<GgufType::kQ8_0>(out, out_stride, ids, num_ids, w, K);
+    case GgufType::kQ4_K: return gguf_embedding_impl<GgufType::kQ4_K>(out, out_stride, ids, num_ids, w, K);
+    case GgufType::kQ6_K: return gguf_embedding_impl<GgufType::kQ6_K>(out, out_stride, ids, num_ids, w, K);
   }
 }
 

@@ -72,9 +72,10 @@
               int64_t input_stride, const void* weight, const void* bias,        \
               int64_t M, int64_t N, int64_t K, DType dtype);              \
   /* out[m] = W @ input[m] (+ bias) for fp32 input rows of K elements, W     \
-     [N, K] in GGUF block layout `type` (N rows of K / 32 blocks, K a        \
-     multiple of 32), bias [N] fp32 or null; W's blocks are dequantized in   \
-     registers and multiplied in fp32, or with quantize_input the input is   \
+     [N, K] in GGUF block layout `type` (N rows of K / B blocks, K a         \
+     multiple of B: 32, or 256 for the K-quants), bias [N] fp32 or null;     \
+     W's blocks are dequantized in registers and multiplied in fp32, or with \
+     quantize_input (Q4_0, Q4_1, Q8_0 only; the caller checks) the input is  \
      first quantized to int8 per 32-element block (see cc/cpu/gguf.cc). */   \
   void gguf_linear(float* out, int64_t out_stride, const float* input,      \
                    int64_t input_stride, const void* weight, GgufType type,  \
@@ -90,7 +91,7 @@ namespace pagoda {
 namespace cpu {
 
 // GGUF's quantized block formats, numbered as GGML's type ids.
-enum class GgufType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum class GgufType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 namespace avx2 {
 PAGODA_CPU_KERNEL_DECLS

@@ -108,7 +108,7 @@ class ModelConfig:
     device: str | torch.device = "auto"
     # vLLM's: no CUDA graphs (every step runs eagerly).
     enforce_eager: bool = False
-    # GGUF weights: "gguf" keeps Q4_0/Q4_1/Q8_0 matrices packed for the CPU's
+    # GGUF weights: "gguf" keeps Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices packed for the CPU's
     # kernels (GGUF model, CPU, float32; the blocks are dequantized in
     # registers and multiplied in fp32, so the results are those of "none" up
     # to the order of fp32 sums, from a fifth of the bytes), "none"

@@ -128,10 +128,11 @@ def linear(
     return out
 
 
-# GGUF block formats with CPU kernels: GGML's type id -> bytes per block of
-# GGUF_BLOCK weights (an fp16 scale, Q4_1 also an fp16 minimum, then the quants).
+# GGUF block formats with CPU kernels: GGML's type id -> (weights, bytes) per
+# block. Q4_0, Q4_1, Q8_0: GGUF_BLOCK weights (an fp16 scale, Q4_1 also an fp16
+# minimum, then the quants); the K-quants Q4_K, Q6_K: super-blocks of 256.
 GGUF_BLOCK = 32
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
 
 
 def gguf_linear(
@@ -143,13 +144,15 @@ def gguf_linear(
     quantize_input: bool = False,
 ) -> torch.Tensor:
     """x @ W.T (+ bias) for fp32 x [..., K] and W [N, K] kept packed in GGUF's
-    block layout: weight is uint8 [N, K / 32 * GGUF_BLOCK_BYTES[weight_type]]
-    (K must be a multiple of 32, as GGUF requires of every quantized row).
+    block layout: weight is uint8 [N, K / B * bytes] for (B, bytes) =
+    GGUF_BLOCKS[weight_type] (K must be a multiple of B, as GGUF requires of
+    every quantized row).
     The CPU kernel dequantizes W's blocks in registers and multiplies in fp32
     (gguf_linear_reference up to the order of fp32 sums); quantize_input=True
     instead rounds x to int8 per 32-element block (scale max|x| / 127) and
     sums integer block products (llama.cpp's way; gguf_linear_reference with
-    quantize_input=True up to the order of sums)."""
+    quantize_input=True up to the order of sums), for the 32-weight formats
+    only."""
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
     torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias, quantize_input)
@@ -348,22 +351,70 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def gguf_dequantize_reference(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
-    """fp32 [N, K] from GGUF blocks uint8 [N, row bytes] (layout: see
-    cc/cpu/gguf.cc): Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m, with 4-bit
-    quant j of a block in the low nibble of byte j (j < 16) or the high
-    nibble of byte j - 16."""
-    blocks = weight.reshape(weight.shape[0], -1, GGUF_BLOCK_BYTES[weight_type])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    if weight_type == 8:
-        values = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    """fp32 [N, K] from GGUF blocks uint8 [N, row bytes] (layouts: see
+    cc/cpu/gguf.cc), in the fp32 operations of gguf-py's dequantize: Q8_0
+    d * q; Q4_0 d * (q - 8); Q4_1 d * q + m, with 4-bit quant j of a block in
+    the low nibble of byte j (j < 16) or the high nibble of byte j - 16; Q4_K
+    (d * sc) * q - dmin * m per sub-block of 32; Q6_K (d * sc) * (q - 32) per
+    16 weights."""
+    rows = weight.shape[0]
+    blocks = weight.reshape(rows, -1, GGUF_BLOCKS[weight_type][1])
+    nb = blocks.shape[1]
+
+    def fp16(offset: int) -> torch.Tensor:
+        return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+    if weight_type == 12:
+        # 6-bit scales and minimums: bytes 0-3 and 4-7 hold sc and m of
+        # sub-blocks 0-3 (low 6 bits); bytes 8-11 the low 4 bits of 4-7, whose
+        # top 2 bits are the top bits of bytes 0-3 (sc) and 4-7 (m).
+        packed = blocks[..., 4:16].long()
+        low_sc, low_m, nibbles = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        sc = torch.cat([low_sc & 63, (nibbles & 15) | (low_sc >> 6 << 4)], dim=-1).float()
+        m = torch.cat([low_m & 63, (nibbles >> 4) | (low_m >> 6 << 4)], dim=-1).float()
+        qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(rows, nb, 8, 32).float()
+        values = (fp16(0) * sc).unsqueeze(-1) * q - (fp16(2) * m).unsqueeze(-1)
+    elif weight_type == 14:
+        ql = blocks[..., :128].reshape(rows, nb, 2, 1, 64)
+        low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(rows, nb, 256)
+        qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32)
+        high = torch.cat([qh >> shift & 3 for shift in (0, 2, 4, 6)], dim=-2).reshape(rows, nb, 256)
+        q = ((low | high << 4).float() - 32).reshape(rows, nb, 16, 16)
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        values = (fp16(208) * sc).unsqueeze(-1) * q
+    elif weight_type == 8:
+        values = fp16(0) * blocks[..., 2:].contiguous().view(torch.int8).float()
     else:
         qs = blocks[..., 4:] if weight_type == 3 else blocks[..., 2:]
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-        if weight_type == 3:
-            values = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        else:
-            values = d * (q - 8)
-    return values.reshape(weight.shape[0], -1)
+        values = fp16(0) * q + fp16(2) if weight_type == 3 else fp16(0) * (q - 8)
+    return values.reshape(rows, -1)
+
+
+# Where each block's fp16 scales (and minimums) lie, and the spread of the
+# random ones gguf_random_blocks writes there: the K-quants' super-block scales
+# multiply 6- or 8-bit sub-block scales.
+_GGUF_FP16_FIELDS = {2: ((0, 0.02),), 3: ((0, 0.02), (2, 0.02)), 8: ((0, 0.02),), 12: ((0, 1e-3), (2, 1e-3)),
+                     14: ((208, 1e-3),)}
+
+
+def gguf_random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
+    """A valid random GGUF-packed weight [n, k] (for tests and benchmarks):
+    every quant byte random (so every quant pattern: Q8_0's -128, which GGUF's
+    quantizer never writes; every K-quant sub-block scale and minimum), fp16
+    scales and minimums normal with both signs."""
+    values, nbytes = GGUF_BLOCKS[weight_type]
+    blocks = torch.randint(0, 256, (n, k // values, nbytes), dtype=torch.uint8)
+    for offset, spread in _GGUF_FP16_FIELDS[weight_type]:
+        halves = (torch.randn(n, k // values, 1) * spread).to(torch.float16)
+        blocks[..., offset : offset + 2] = halves.view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def gguf_fp16_offsets(weight_type: int) -> tuple[int, ...]:
+    """Byte offsets of a block's fp16 scale (and minimum) fields."""
+    return tuple(offset for offset, _ in _GGUF_FP16_FIELDS[weight_type])
 
 
 def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:

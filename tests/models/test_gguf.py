@@ -1,7 +1,9 @@
 """GGUF loading: a synthetic llama-architecture file written the way llama.cpp
 does (permuted Q/K, several quantization types) against the same weights from
-safetensors, K-quant shapes, and the real SmolLM2-135M Q4_1 file against
-transformers' own GGUF loading."""
+safetensors, K-quant shapes and which of them stay packed, the real
+SmolLM2-135M Q4_1 file against transformers' own GGUF loading, and (where
+PAGODA_TEST_K_QUANT_GGUF names one) its Q4_K_M requantization packed against
+dequantized."""
 
 import importlib.util
 import os
@@ -15,6 +17,7 @@ from checkpoints import build_hf_model
 from harness import PagedRunner, run_schedule
 from safetensors.torch import save_file
 
+from pagoda import LLM, SamplingParams, ops
 from pagoda.model_executor.model_loader import get_model
 from pagoda.model_executor.model_loader.gguf_loader import gguf_to_hf_name, gguf_weights_iterator, unpermute_qk
 
@@ -117,6 +120,40 @@ def test_k_quant_shapes(tmp_path, qtype):
     torch.testing.assert_close(weight, want, rtol=0, atol=0, equal_nan=True)
 
 
+def test_k_quants_stay_packed(tmp_path):
+    """Q4_K and Q6_K matrices stay packed as the file's bytes (Q/K rows
+    un-permuted), unless the parts of their fused parameter differ in type."""
+    types = {
+        "attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K,  # fused qkv, one type: packed
+        "ffn_gate": Q.Q4_K, "ffn_up": Q.Q6_K,  # fused gate_up, two types: dequantized
+        "ffn_down": Q.Q6_K,
+    }
+    rows, cols = 4, 512
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    raws = {}
+    for part, qtype in types.items():
+        raw = ops.gguf_random_blocks(rows, cols, int(qtype)).numpy()
+        raws[part] = raw
+        writer.add_tensor(f"blk.0.{part}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = transformers.LlamaConfig(num_attention_heads=2, num_key_value_heads=2)
+    loaded = dict(gguf_weights_iterator(str(tmp_path / "k.gguf"), config, torch.float32, packed=True))
+    for part, qtype in types.items():
+        weight = loaded[gguf_to_hf_name(f"blk.0.{part}.weight")]
+        want = torch.from_numpy(gguf.quants.dequantize(raws[part], qtype).reshape(rows, cols).copy())
+        if part in ("attn_q", "attn_k"):
+            want = unpermute_qk(want, 2)
+        if part in ("ffn_gate", "ffn_up"):
+            assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+            torch.testing.assert_close(weight, want, rtol=0, atol=0)
+        else:
+            assert weight.weight_type == int(qtype) and weight.shape == (rows, cols)
+            torch.testing.assert_close(ops.gguf_dequantize_reference(weight.data, weight.weight_type), want, rtol=0, atol=0)
+
+
 def test_unknown_gguf_tensor_name():
     with pytest.raises(ValueError, match="'blk.0.ffn_gate_exps.weight' has no known Hugging Face name"):
         gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
@@ -188,3 +225,38 @@ def test_smollm2_fused_layers_equal_per_op_path(smollm2):
     assert model.model.fused_layer_args() is not None
     for fused, per_op in zip(*results):
         assert torch.equal(fused, per_op)
+
+
+# --- a K-quant file -------------------------------------------------------------
+# llama.cpp's Q4_K_M of the SmolLM2 file (Q4_K and Q6_K ffn_down, whose rows of
+# 1536 are whole super-blocks; Q5_0 and Q8_0 where rows of 576 are not):
+# tools/peers/build_llama_cpp.sh builds llama-quantize next to llama-batched-bench,
+#   llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf OUT.gguf Q4_K_M
+# and PAGODA_TEST_K_QUANT_GGUF=OUT.gguf runs the test.
+K_QUANT_GGUF = os.environ.get("PAGODA_TEST_K_QUANT_GGUF", "")
+
+
+@pytest.mark.skipif(not os.path.isfile(K_QUANT_GGUF), reason="PAGODA_TEST_K_QUANT_GGUF names no file")
+def test_k_quant_file_packed_greedy_equals_dequantized():
+    folder, name = os.path.split(K_QUANT_GGUF)
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = get_model(folder, config, torch.float32, gguf_file=name, quantization="gguf")
+    assert {12, 14} <= {getattr(param, "gguf_type", None) for param in model.parameters()}
+    del model
+    prompts = [
+        "The capital of France is",
+        "Once upon a time,",
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "Water boils at",
+        "My favourite book is",
+        "1, 2, 3, 4,",
+        "Translate to French: good morning",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    tokens = {}
+    for quantization in ("none", "gguf"):
+        llm = LLM(K_QUANT_GGUF, dtype="float32", quantization=quantization, kv_cache_space=0.5)
+        tokens[quantization] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert tokens["gguf"] == tokens["none"]

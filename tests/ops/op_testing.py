@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pagoda import _native, ops
+from pagoda import _native
 
 TOLERANCES = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -24,15 +24,3 @@ def skip_without_kernel(op: str, device: str) -> str:
     if device != "cpu" and not _native.has_kernel(op, device):
         pytest.skip(f"no {device} implementation of {op} yet")
     return device
-
-
-def random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
-    """[n, k] weights in GGUF blocks of ops.GGUF_BLOCK_BYTES[weight_type]:
-    every quant pattern (Q8_0 includes -128, which GGUF's quantizer never
-    writes), positive and negative fp16 scales and minimums."""
-    nb = k // ops.GGUF_BLOCK
-    blocks = torch.randint(0, 256, (n, nb, ops.GGUF_BLOCK_BYTES[weight_type]), dtype=torch.uint8)
-    scales = 2 if weight_type == 3 else 1
-    halves = (torch.randn(n, nb, scales) * 0.02).to(torch.float16)
-    blocks[..., : 2 * scales] = halves.view(torch.uint8).reshape(n, nb, 2 * scales)
-    return blocks.reshape(n, -1)

@@ -1,6 +1,6 @@
-"""gguf_linear and gguf_embedding (GGUF-packed Q4_0, Q4_1, Q8_0 weights)
-against the pure-torch dequantize-then-multiply references, for both ways of
-multiplying a block.
+"""gguf_linear and gguf_embedding (GGUF-packed Q4_0, Q4_1, Q8_0 weights, and
+the K-quants Q4_K, Q6_K) against the pure-torch dequantize-then-multiply
+references, for both ways of multiplying a block (the K-quants: fp32 only).
 
 fp32 (the default): the kernel dequantizes the weight to exactly the
 reference's fp32 values and multiplies in fp32, so only the order of the fp32
@@ -22,11 +22,10 @@ summation order differs: within 1e-5 of sum |x| |w|.
 import pytest
 import torch
 
-from op_testing import random_blocks
-
 from pagoda import ops
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+K_QUANTS = {"Q4_K": 12, "Q6_K": 14}
 
 
 def magnitudes(x: torch.Tensor, weight: torch.Tensor, weight_type: int, bias=None) -> torch.Tensor:
@@ -69,7 +68,7 @@ def check(out, x, weight, weight_type, bias=None, quantize_input=False):
 @pytest.mark.parametrize("k,n", [(32, 1), (64, 3), (96, 5), (576, 577), (1536, 64)])
 def test_gguf_linear(name, m, k, n, quantize_input):
     weight_type = TYPES[name]
-    weight = random_blocks(n, k, weight_type)
+    weight = ops.gguf_random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
     check(ops.gguf_linear(x, weight, weight_type, quantize_input=quantize_input), x, weight, weight_type,
           quantize_input=quantize_input)
@@ -82,7 +81,7 @@ def test_gguf_linear(name, m, k, n, quantize_input):
 def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
     """Output rows around the tiles' 2 and 4 weight rows, with a bias."""
     weight_type = TYPES[name]
-    weight = random_blocks(n, 160, weight_type)
+    weight = ops.gguf_random_blocks(n, 160, weight_type)
     x, bias = torch.randn(m, 160), torch.randn(n)
     out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
@@ -93,7 +92,7 @@ def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
 def test_gguf_linear_many_rows_and_bias(name, quantize_input):
     """A vocabulary-sized output (the LM head of a tied GGUF model)."""
     weight_type = TYPES[name]
-    weight = random_blocks(9001, 64, weight_type)
+    weight = ops.gguf_random_blocks(9001, 64, weight_type)
     x, bias = torch.randn(3, 64), torch.randn(9001)
     out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
@@ -106,7 +105,7 @@ def test_gguf_linear_fp32_is_exact_on_exact_sums(name):
     equal the reference bit for bit in any order of sums (a weight off by
     one step would show)."""
     weight_type = TYPES[name]
-    weight = random_blocks(9, 96, weight_type)
+    weight = ops.gguf_random_blocks(9, 96, weight_type)
     blocks = weight.view(9, 3, -1)
     scales = torch.tensor([0.25, -0.5, 0.5], dtype=torch.float16)[torch.randint(0, 3, (9, 3))]
     blocks[..., 0:2] = scales.unsqueeze(-1).view(torch.uint8)
@@ -118,7 +117,7 @@ def test_gguf_linear_fp32_is_exact_on_exact_sums(name):
 
 def test_gguf_linear_outliers_and_zeros():
     """A block of zeros (scale 0) and a block with one large element."""
-    weight = random_blocks(7, 96, 3)
+    weight = ops.gguf_random_blocks(7, 96, 3)
     x = torch.randn(2, 96)
     x[0, :32] = 0
     x[1, 40] = 1e4
@@ -127,7 +126,7 @@ def test_gguf_linear_outliers_and_zeros():
 
 
 def test_gguf_linear_strided_and_leading_dims():
-    weight = random_blocks(10, 64, 8)
+    weight = ops.gguf_random_blocks(10, 64, 8)
     x = torch.randn(6, 70)[:, 3:67]
     buffer = torch.zeros(6, 15)
     ops.gguf_linear(x, weight, 8, out=buffer[:, 2:12])
@@ -140,17 +139,17 @@ def test_gguf_linear_strided_and_leading_dims():
 
 
 def test_gguf_linear_empty():
-    assert ops.gguf_linear(torch.randn(0, 64), random_blocks(4, 64, 2), 2).shape == (0, 4)
+    assert ops.gguf_linear(torch.randn(0, 64), ops.gguf_random_blocks(4, 64, 2), 2).shape == (0, 4)
 
 
 def test_gguf_linear_errors():
-    weight = random_blocks(5, 64, 3)
-    with pytest.raises(ValueError, match="multiple of GGUF's block size 32"):
+    weight = ops.gguf_random_blocks(5, 64, 3)
+    with pytest.raises(ValueError, match="multiple of Q4_1's block size 32"):
         ops.gguf_linear(torch.randn(2, 48), weight[:, :30].contiguous(), 3)
     with pytest.raises(ValueError, match="weight rows hold 40 bytes but in_features 96 needs 3 blocks of 20"):
         ops.gguf_linear(torch.randn(2, 96), weight, 3)
-    with pytest.raises(ValueError, match="weight_type 12 is not a GGUF block format"):
-        ops.gguf_linear(torch.randn(2, 64), weight, 12)
+    with pytest.raises(ValueError, match="weight_type 13 is not a GGUF block format"):
+        ops.gguf_linear(torch.randn(2, 64), weight, 13)
     with pytest.raises(TypeError, match="weight must be uint8"):
         ops.gguf_linear(torch.randn(2, 64), weight.float(), 3)
     with pytest.raises(TypeError, match="input must be float32"):
@@ -164,7 +163,7 @@ def test_gguf_linear_errors():
 @pytest.mark.parametrize("name", TYPES)
 def test_gguf_embedding(name):
     weight_type = TYPES[name]
-    weight = random_blocks(300, 96, weight_type)
+    weight = ops.gguf_random_blocks(300, 96, weight_type)
     ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
     out = ops.gguf_embedding(ids, weight, weight_type, 96)
     assert out.shape == (2, 3, 96)
@@ -173,18 +172,77 @@ def test_gguf_embedding(name):
         ops.gguf_embedding(torch.tensor([1, 300]), weight, weight_type, 96)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", {**TYPES, **K_QUANTS})
 def test_dequantize_reference_matches_gguf_package(name):
-    """The reference's reading of the block layout is the gguf package's."""
+    """The reference's reading of the block layout is the gguf package's, to
+    the bit."""
     gguf = pytest.importorskip("gguf")
-    weight = random_blocks(4, 64, TYPES[name])
+    weight_type = {**TYPES, **K_QUANTS}[name]
+    weight = ops.gguf_random_blocks(4, 512, weight_type)
     want = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name])
-    torch.testing.assert_close(ops.gguf_dequantize_reference(weight, TYPES[name]), torch.from_numpy(want), rtol=0, atol=0)
+    torch.testing.assert_close(ops.gguf_dequantize_reference(weight, weight_type), torch.from_numpy(want), rtol=0, atol=0)
+
+
+# The K-quants: super-blocks of 256 weights, fp32 path only.
+
+
+# Input rows around the tiles' 4 and the 64-row input chunks; output rows
+# around the 2- and 4-row tiles and the threads' ranges, and a vocabulary-sized
+# LM head at few rows; 1 to 3 super-blocks per row.
+K_QUANT_SHAPES = [(m, k, n) for m in (1, 2, 3, 17, 65) for k, n in ((256, 1), (512, 37), (768, 301))]
+K_QUANT_SHAPES += [(1, 256, 9001), (3, 256, 9001)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("m,k,n", K_QUANT_SHAPES)
+def test_gguf_linear_k_quants(name, m, k, n, bias):
+    weight_type = K_QUANTS[name]
+    weight = ops.gguf_random_blocks(n, k, weight_type)
+    x = torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    check(ops.gguf_linear(x, weight, weight_type, b), x, weight, weight_type, b)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_gguf_linear_k_quants_exact_on_exact_sums(name):
+    """Super-block scales of +-1/16 and inputs in quarters: every weight,
+    product and partial sum is exact in fp32 (below 2^24 units of 2^-6), so
+    the kernel must equal the reference bit for bit; a sub-block scale,
+    minimum or quant read from the wrong place would show."""
+    weight_type = K_QUANTS[name]
+    weight = ops.gguf_random_blocks(11, 256, weight_type)
+    sixteenth = torch.tensor([0.0625, -0.0625], dtype=torch.float16)[torch.randint(0, 2, (11, 2))]
+    for i, offset in enumerate(ops.gguf_fp16_offsets(weight_type)):
+        weight[:, offset : offset + 2] = sixteenth[:, i : i + 1].view(torch.uint8)
+    x = torch.randint(-4, 5, (5, 256)).float() / 4
+    assert torch.equal(ops.gguf_linear(x, weight, weight_type), ops.gguf_linear_reference(x, weight, weight_type))
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_gguf_embedding_k_quants(name):
+    weight_type = K_QUANTS[name]
+    weight = ops.gguf_random_blocks(50, 512, weight_type)
+    ids = torch.tensor([[0, 49, 7], [7, 25, 1]])
+    out = ops.gguf_embedding(ids, weight, weight_type, 512)
+    torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
+
+
+def test_gguf_linear_k_quants_errors():
+    weight = ops.gguf_random_blocks(5, 512, 14)
+    with pytest.raises(ValueError, match=r"in_features \(288\) must be a multiple of Q6_K's block size 256"):
+        ops.gguf_linear(torch.randn(2, 288), weight, 14)
+    with pytest.raises(ValueError, match="in_features 256 needs 1 blocks of 144 bytes"):
+        ops.gguf_linear(torch.randn(2, 256), weight, 12)
+    with pytest.raises(ValueError, match="quantize_input .* not Q6_K"):
+        ops.gguf_linear(torch.randn(2, 512), weight, 14, quantize_input=True)
 
 
 def test_gguf_opcheck():
-    weight = random_blocks(5, 64, 8)
+    weight = ops.gguf_random_blocks(5, 64, 8)
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None))
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default,
                           (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None, True))
     torch.library.opcheck(torch.ops.pagoda.gguf_embedding.default, (torch.empty(2, 64), torch.tensor([0, 4]), weight, 8))
+    k_quant = ops.gguf_random_blocks(5, 256, 12)
+    torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 256), k_quant, 12, None))

@@ -80,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--load-format", choices=LOAD_FORMATS, help="dummy: seeded random weights (for benchmarks)")
     flag("--quantization", choices=QUANTIZATIONS,
          help="fp8: linear weights quantized to float8 e4m3 at load, per-token activation scales, FP8 "
-              "GEMMs (GPUs of CUDA capability 8.9+; bfloat16/float16); GGUF: gguf keeps Q4_0/Q4_1/Q8_0 "
+              "GEMMs (GPUs of CUDA capability 8.9+; bfloat16/float16); GGUF: gguf keeps Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
               "weights packed for the CPU's int8 kernels (CPU, float32); none and auto (the default) "
               "keep the checkpoint's weights (GGUF dequantized to --dtype)")
     flag("--device", help="auto, cpu or cuda")

@@ -60,7 +60,7 @@ def get_model(
     called in this process) the model is this rank's shard, and the rank
     reads only its slices of a safetensors checkpoint.
 
-    quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices packed
+    quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices packed
     (the CPU's packed kernels multiply them) on one rank; under tensor
     parallelism they are dequantized, since the packed rows are not split.
     "fp8" quantizes the linear layers' weights to float8 once they are

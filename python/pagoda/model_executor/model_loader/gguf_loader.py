@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp): tensors renamed to Hugging Face's names and
 dequantized one at a time to the model's dtype, or (packed=True) matrices in
-the block formats our CPU kernels multiply (Q4_0, Q4_1, Q8_0) kept as they
-are in the file, as PackedWeight rows of blocks.
+the block formats our CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
+kept as they are in the file, as PackedWeight rows of blocks.
 
 The config (and tokenizer) of a GGUF model come from transformers:
 AutoConfig.from_pretrained(folder, gguf_file=name).
@@ -13,13 +13,18 @@ whole dequantization, acceptable for the small quantized models GGUF carries.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterator
 
 import numpy as np
 import torch
 
+from pagoda import ops
+from pagoda.logger import init_logger
 from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
 from pagoda.model_executor.weight_utils import PackedWeight
+
+logger = init_logger(__name__)
 
 # Architectures whose tensors use the names below; llama.cpp also writes
 # Mistral-style models as "llama".
@@ -65,16 +70,31 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # GGML type ids the packed kernels take (ops.gguf_linear).
-PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # Tensors the model fuses into one parameter: packed only if all share a type.
 _FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
 def _packable(reader) -> set[str]:
-    """Names of the 2-D tensors to keep packed: a packed type, and the same
-    one as the other parts of their fused parameter."""
-    types = {t.name: t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
-    names = {name for name, kind in types.items() if kind in PACKED_TYPES}
+    """Names of the 2-D tensors to keep packed: a packed type whose row length
+    is a whole number of its blocks, and the same type as the other parts of
+    their fused parameter."""
+    tensors = [t for t in reader.tensors if len(t.shape) == 2]
+    types = {t.name: t.tensor_type.name for t in tensors}
+    names = set()
+    for t in tensors:
+        kind = t.tensor_type.name
+        if kind not in PACKED_TYPES:
+            continue
+        # GGUF's writers keep rows whole blocks (llama.cpp quantizes a row of
+        # 576 to Q5_0 rather than Q4_K); a file that does not is still read
+        # by dequantizing, not handed to the kernels, which refuse it.
+        block = ops.GGUF_BLOCKS[PACKED_TYPES[kind]][0]
+        if int(t.shape[0]) % block:
+            logger.warning("GGUF tensor %s: %s rows of %d weights are not whole blocks of %d: dequantized at load",
+                           t.name, kind, int(t.shape[0]), block)
+            continue
+        names.add(t.name)
     for name in list(names):
         parts = name.split(".")  # blk.3.attn_q.weight
         for group in _FUSED_PARTS:
@@ -82,6 +102,9 @@ def _packable(reader) -> set[str]:
                 kinds = {types.get(".".join([*parts[:2], sibling, *parts[3:]])) for sibling in group}
                 if len(kinds) > 1:
                     names.discard(name)
+    dequantized = Counter(kind for name, kind in types.items() if name not in names)
+    logger.info("GGUF matrices kept packed: %s; dequantized at load: %s",
+                dict(Counter(types[name] for name in names)) or "none", dict(dequantized) or "none")
     return names
 
 
