@@ -129,7 +129,9 @@ def test_bad_requests_raise_value_error_and_the_engine_goes_on(llm, reference):
             await collect(llm, [5, 100000], "bad-ids")
         with pytest.raises(ValueError, match="max_model_len"):
             await collect(llm, [5] * 200, "too-long")
-        agen = llm.generate(PROMPTS[0], GREEDY, "same")
+        # Long enough to be still running when its id comes again, however
+        # slowly this loop gets its turn beside the engine's process.
+        agen = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), "same")
         outputs = [await agen.__anext__()]
         with pytest.raises(ValueError, match="already in use"):
             await collect(llm, PROMPTS[0], "same")
@@ -137,7 +139,7 @@ def test_bad_requests_raise_value_error_and_the_engine_goes_on(llm, reference):
         return outputs[-1]
 
     final = asyncio.run(main())
-    assert final.outputs[0].token_ids == reference[0]
+    assert final.outputs[0].token_ids[: len(reference[0])] == reference[0]  # greedy: the same first tokens
     assert llm.is_running
     final = asyncio.run(collect(llm, PROMPTS[0], "after"))[-1]
     assert final.outputs[0].token_ids == reference[0]
