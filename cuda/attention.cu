@@ -208,9 +208,13 @@ __device__ __forceinline__ void load_stream(uint32_t* w, const void* p) {
     asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
         : "=r"(w[0]), "=r"(w[1])
         : "l"(p));
-  } else {
-    static_assert(B == 4, "16, 8 or 4 bytes");
+  } else if constexpr (B == 4) {
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+  } else {
+    static_assert(B == 2, "16, 8, 4 or 2 bytes");
+    uint16_t x;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
+    w[0] = x;
   }
 }
 
@@ -225,21 +229,35 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
   return r;
 }
 
+// Four e4m3 values as two fp16 pairs: bytes 0, 1 -> lo; bytes 2, 3 -> hi.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo,
+                                                  uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{.reg .b16 l, h;\n"
+      " mov.b32 {l, h}, %2;\n"
+      " cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+#else
+  lo = hi = 0;
+  __trap();  // the host refuses a float8 cache below sm_89
+#endif
+}
+
 // What load_stream<B> gives for a 16-bit cache -- B / 4 words of value
 // pairs -- read from a float8 cache: B / 2 bytes, widened to fp16 pairs.
 template <int B>
 __device__ __forceinline__ void load_stream_e4m3(uint32_t* w, const void* p) {
   if constexpr (B == 4) {
-    uint16_t x;
-    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(x) : "l"(p));
-    w[0] = e4m3x2_to_f16x2(x);
+    load_stream<2>(w, p);
+    w[0] = e4m3x2_to_f16x2(static_cast<uint16_t>(w[0]));
   } else {
     uint32_t raw[B / 8];
     load_stream<B / 2>(raw, p);
 #pragma unroll
     for (int i = 0; i < B / 8; ++i) {
-      w[2 * i] = e4m3x2_to_f16x2(static_cast<uint16_t>(raw[i] & 0xffffu));
-      w[2 * i + 1] = e4m3x2_to_f16x2(static_cast<uint16_t>(raw[i] >> 16));
+      e4m3x4_to_f16x2x2(raw[i], w[2 * i], w[2 * i + 1]);
     }
   }
 }
@@ -460,7 +478,9 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     };
 
     uint32_t kw[2][L::kQkWords];  // key rows k + g and k + g + 8
-    uint32_t vw[4][L::kTiles];    // value rows k + 2t, +1, +8, +9
+    // Value rows k + 2t, +1, +8, +9: 16-bit pairs, or for a float8 cache the
+    // raw bytes (widened after pairing the rows, below: fewer instructions).
+    uint32_t vw[4][Fp8 ? (L::kTiles + 1) / 2 : L::kTiles];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const C* p = row_ptr(key_cache, g + 8 * r);
@@ -473,7 +493,12 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
       for (int r = 0; r < 4; ++r) {
         const C* p = row_ptr(value_cache, 2 * t + (r & 1) + 8 * (r >> 1));
         for_pv_chunks<D, Fp8>(g, [&](auto bytes, int dim, int word) {
-          load_chunk(bytes, vw[r] + word, p + dim);
+          constexpr int B = decltype(bytes)::value;
+          if constexpr (Fp8) {
+            load_stream<B / 2>(vw[r] + word / 2, p + dim);
+          } else {
+            load_stream<B>(vw[r] + word, p + dim);
+          }
         });
       }
     };
@@ -509,12 +534,16 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     const float p2 = exp2f(s[2] - m0), p3 = exp2f(s[3] - m1);
     l0 = l0 * c0 + (p0 + p2);
     l1 = l1 * c1 + (p1 + p3);
+    // c0 = c1 = 1 unless a running max moved, which after the first steps
+    // is rare: skip the multiplications then.
+    if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < L::kTiles; ++i) {
-      acc[i][0] *= c0;
-      acc[i][1] *= c1;
-      acc[i][2] *= c0;
-      acc[i][3] *= c1;
+      for (int i = 0; i < L::kTiles; ++i) {
+        acc[i][0] *= c0;
+        acc[i][1] *= c1;
+        acc[i][2] *= c0;
+        acc[i][3] *= c1;
+      }
     }
     // P^T, the B operand of O^T = V^T P^T: (keys 2t, 2t+1 | 2t+8, 2t+9) x
     // head g, by transposing (key g | g+8) x heads (2t, 2t+1).
@@ -525,10 +554,21 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     // V^T tiles: row g / g + 8 = the low / high dim of word i, columns = keys.
 #pragma unroll
     for (int i = 0; i < L::kTiles; ++i) {
-      mma<M>(acc[i], __byte_perm(vw[0][i], vw[1][i], 0x5410),
-             __byte_perm(vw[0][i], vw[1][i], 0x7632),
-             __byte_perm(vw[2][i], vw[3][i], 0x5410),
-             __byte_perm(vw[2][i], vw[3][i], 0x7632), pb0, pb1);
+      uint32_t a[4];
+      if constexpr (Fp8) {
+        // Raw word i / 2 holds the dims of words i - i % 2 (bytes 0, 1) and
+        // i - i % 2 + 1 (bytes 2, 3): pair each dim's byte of two keys, then
+        // widen the pairs.
+        const uint32_t sel = i % 2 ? 0x7362 : 0x5140;
+        e4m3x4_to_f16x2x2(__byte_perm(vw[0][i / 2], vw[1][i / 2], sel), a[0], a[1]);
+        e4m3x4_to_f16x2x2(__byte_perm(vw[2][i / 2], vw[3][i / 2], sel), a[2], a[3]);
+      } else {
+        a[0] = __byte_perm(vw[0][i], vw[1][i], 0x5410);
+        a[1] = __byte_perm(vw[0][i], vw[1][i], 0x7632);
+        a[2] = __byte_perm(vw[2][i], vw[3][i], 0x5410);
+        a[3] = __byte_perm(vw[2][i], vw[3][i], 0x7632);
+      }
+      mma<M>(acc[i], a[0], a[1], a[2], a[3], pb0, pb1);
     }
 
     offset += 16;
