@@ -211,17 +211,22 @@ def test_smollm2_matches_transformers(smollm2, quantization):
         assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
 
 
-def test_smollm2_fused_layers_equal_per_op_path(smollm2):
-    """Packed on the CPU, the decoder layers run as one native op; the per-op
-    path (each layer's modules) computes the same logits bit for bit, over
-    prefill, chunked prefill and decode steps of sequences batched together."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["packed-fp32", "dense-bf16"])
+def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype):
+    """On the CPU the decoder layers run as one native op (packed in fp32;
+    dequantized to bf16, for steps whose linears take Pagoda's kernel); the
+    per-op path (each layer's modules) computes the same logits bit for bit,
+    over prefill, chunked prefill and decode steps of sequences batched
+    together."""
     folder, _, config, _ = smollm2
-    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE, quantization="gguf")
+    quantization = "gguf" if dtype == torch.float32 else None
+    model = get_model(folder, config, dtype, gguf_file=SMOLLM2_FILE, quantization=quantization)
+    assert (model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8) == (dtype == torch.float32)
     sequences = [list(range(1000 + 97 * s, 1000 + 97 * s + n)) for s, n in enumerate([3, 20, 37])]
     results = []
     for fuse in (True, False):
         model.model.fuse_layers = fuse
-        results.append(run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
+        results.append(run_schedule(PagedRunner(model, dtype, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
     assert model.model.fused_layer_args() is not None
     for fused, per_op in zip(*results):
         assert torch.equal(fused, per_op)

@@ -23,13 +23,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="prefill every run in full (the runs repeat the same prompts)")
     args = parser.parse_args()
 
     from pagoda.entrypoints.default_model import default_model
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
-    llm = LLM(model=default_model(), dtype=args.dtype)
+    llm = LLM(model=default_model(), dtype=args.dtype, enable_prefix_caching=args.prefix_caching)
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(100, 49000, (args.input_len,), generator=g).tolist()}

@@ -48,14 +48,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     fp8_scale = getattr(weight, "fp8_scale", None)
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type == "cpu" and (
-        x.dtype == torch.float16
-        or x.dtype == torch.float32 and 2 <= rows <= 64
-        or x.dtype == torch.bfloat16 and (rows <= 64 or not _TORCH_BF16_GEMM_FAST)
-    ):
+    if x.device.type == "cpu" and cpu_kernel_takes(x.numel() // max(x.shape[-1], 1), x.dtype):
         return ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def cpu_kernel_takes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether dense() multiplies `rows` rows of dtype on the CPU with Pagoda's
+    kernel (ops.linear) rather than torch's."""
+    return (
+        dtype == torch.float16
+        or dtype == torch.float32 and 2 <= rows <= 64
+        or dtype == torch.bfloat16 and (rows <= 64 or not _TORCH_BF16_GEMM_FAST)
+    )
 
 
 # Where the CPU has AVX512_BF16, torch's bf16 GEMM (oneDNN) multiplies on it as
