@@ -211,15 +211,18 @@ def test_smollm2_matches_transformers(smollm2, quantization):
         assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["packed-fp32", "dense-bf16"])
-def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype):
-    """On the CPU the decoder layers run as one native op (packed in fp32;
-    dequantized to bf16, for steps whose linears take Pagoda's kernel); the
-    per-op path (each layer's modules) computes the same logits bit for bit,
-    over prefill, chunked prefill and decode steps of sequences batched
-    together."""
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [(torch.float32, "gguf"), (torch.float32, "gguf_int8"), (torch.bfloat16, None)],
+    ids=["packed-fp32", "packed-int8-inputs", "dense-bf16"],
+)
+def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype, quantization):
+    """On the CPU the decoder layers run as one native op (packed in fp32,
+    with or without int8 inputs; dequantized to bf16, for steps whose linears
+    take Pagoda's kernel); the per-op path (each layer's modules) computes
+    the same logits bit for bit, over prefill, chunked prefill and decode
+    steps of sequences batched together."""
     folder, _, config, _ = smollm2
-    quantization = "gguf" if dtype == torch.float32 else None
     model = get_model(folder, config, dtype, gguf_file=SMOLLM2_FILE, quantization=quantization)
     assert (model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8) == (dtype == torch.float32)
     sequences = [list(range(1000 + 97 * s, 1000 + 97 * s + n)) for s, n in enumerate([3, 20, 37])]
@@ -227,7 +230,7 @@ def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype):
     for fuse in (True, False):
         model.model.fuse_layers = fuse
         results.append(run_schedule(PagedRunner(model, dtype, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
-    assert model.model.fused_layer_args() is not None
+    assert model.model.fused_layer_args().quantize_input == (quantization == "gguf_int8")
     for fused, per_op in zip(*results):
         assert torch.equal(fused, per_op)
 

@@ -71,6 +71,9 @@ BATCHES = {
 }
 TYPES = [(3, 3, 3, 3), (2, 8, 3, 2), (8, 2, 8, 3)]  # Q4_1 throughout (SmolLM2), then mixed Q4_0 / Q8_0
 D = ops.DENSE_WEIGHT
+# (seen: 6.7e-2 past rtol over 5 seeds; tests/models/test_gguf.py holds the
+# op to the per-op path bit for bit)
+INT8_TOLERANCE = (1e-3, 0.15)
 BF16_TOLERANCE = (1.6e-2, 1e-2)  # rtol, atol as a fraction of the largest value (seen: 3.8e-3 past rtol)
 # Dense weights throughout (a bf16 or fp32 checkpoint), and dense beside packed
 # (a GGUF file whose fused parts differ in type is dequantized at load).
@@ -91,7 +94,14 @@ def test_llama_decoder_layers_dense(batch, heads, dtype):
     check_layers(batch, heads, True, DENSE_TYPES[dtype], dtype)
 
 
-def check_layers(batch, heads, is_neox, types, dtype):
+@pytest.mark.parametrize("batch", BATCHES)
+def test_llama_decoder_layers_int8_inputs(batch):
+    """quantize_input: the Q4_0/Q4_1/Q8_0 linears take inputs rounded to int8
+    (the reference rounds them the same way)."""
+    check_layers(batch, (4, 2), True, TYPES, torch.float32, quantize_input=True)
+
+
+def check_layers(batch, heads, is_neox, types, dtype, quantize_input=False):
     torch.manual_seed(0)
     num_heads, num_kv_heads = heads
     head_size, num_layers = 32, 3
@@ -104,7 +114,7 @@ def check_layers(batch, heads, is_neox, types, dtype):
     args = dict(
         weights=weights, weight_types=weight_types, cos_sin_cache=ops.rotary_cos_sin_cache(head_size, 128),
         is_neox=is_neox, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-        scale=head_size**-0.5, eps=EPS, **metadata,
+        scale=head_size**-0.5, eps=EPS, quantize_input=quantize_input, **metadata,
     )
     want_hidden, want_residual, want_caches = ops.llama_decoder_layers_reference(
         hidden, residual, kv_caches=kv_caches, **args
@@ -117,7 +127,13 @@ def check_layers(batch, heads, is_neox, types, dtype):
     # a wrong weight, head or slot is off by the values themselves). In bf16
     # every op rounds its output to 8 bits, and a sum rounded the other way
     # (2^-9 relative) travels on through the layers: BF16_TOLERANCE.
+    # int8 inputs: a sum rounded the other way can move an input across an
+    # int8 rounding boundary, off by half a step (1/254 of its block's
+    # largest value) in the next layer, and attention's softmax and the
+    # next layers amplify it: INT8_TOLERANCE.
     rtol, atol = (1e-4, 3e-4) if dtype == torch.float32 else BF16_TOLERANCE
+    if quantize_input:
+        rtol, atol = INT8_TOLERANCE
     for got, want in [(hidden, want_hidden), (residual, want_residual), *zip(caches, want_caches)]:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol * want.abs().max().item())
 

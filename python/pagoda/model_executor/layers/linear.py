@@ -40,11 +40,13 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
     kernel at any number of rows (fp32 products on blocks dequantized in
     registers: as fast as torch's fp32 GEMM on the dequantized weight from
-    64 to 1024 rows, docs/BENCHMARKS.md), an FP8 one (fp8_scale set by
+    64 to 1024 rows, docs/BENCHMARKS.md; on inputs rounded to int8 where
+    quantize_packed_inputs marked it), an FP8 one (fp8_scale set by
     quantize_linear_weights) to the FP8 GEMM."""
     gguf_type = getattr(weight, "gguf_type", None)
     if gguf_type is not None:
-        return ops.gguf_linear(x, weight, gguf_type, bias)
+        return ops.gguf_linear(x, weight, gguf_type, bias,
+                               quantize_input=getattr(weight, "gguf_quantize_input", False))
     fp8_scale = getattr(weight, "fp8_scale", None)
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias)

@@ -137,6 +137,7 @@ class FusedLayerArgs:
     head_size: int
     scale: float
     eps: float
+    quantize_input: bool  # the Q4_0/Q4_1/Q8_0 linears take int8 inputs (quantization="gguf_int8")
 
 
 class LlamaModel(nn.Module):
@@ -164,7 +165,7 @@ class LlamaModel(nn.Module):
             ops.llama_decoder_layers(
                 hidden_states, residual, positions, fused.weights, fused.weight_types, fused.kv_caches,
                 fused.cos_sin_cache, fused.is_neox, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
-                fused.num_heads, fused.num_kv_heads, fused.head_size, fused.scale, fused.eps,
+                fused.num_heads, fused.num_kv_heads, fused.head_size, fused.scale, fused.eps, fused.quantize_input,
             )
             return hidden_states
         for layer in self.layers:
@@ -194,7 +195,7 @@ class LlamaModel(nn.Module):
             return None
         if get_tensor_model_parallel_world_size() != 1:
             return None
-        weights, weight_types, kv_caches = [], [], []
+        weights, weight_types, kv_caches, int8_inputs = [], [], [], set()
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
@@ -210,17 +211,20 @@ class LlamaModel(nn.Module):
             weights += [attn.qkv_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.weight, mlp.down_proj.weight, next_norm.weight]
             weight_types += types
+            int8_inputs |= {getattr(lin.weight, "gguf_quantize_input", False) for lin in linears
+                            if getattr(lin.weight, "gguf_type", None) in ops.GGUF_INT8_TYPES}
             kv_caches += attn.attn.kv_cache
         first = self.layers[0].self_attn
         eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps
                                                                       for layer in self.layers} | {self.norm.eps}
         shapes = {(layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads, layer.self_attn.head_dim,
                    layer.self_attn.attn.scale, layer.self_attn.rotary_emb) for layer in self.layers}
-        if len(eps) != 1 or len(shapes) != 1:
+        if len(eps) != 1 or len(shapes) != 1 or len(int8_inputs) > 1:
             return None
         return FusedLayerArgs(
             weights, weight_types, kv_caches, first.rotary_emb.cos_sin_cache, first.rotary_emb.is_neox_style,
             first.attn.num_heads, first.attn.num_kv_heads, first.head_dim, first.attn.scale, eps.pop(),
+            int8_inputs == {True},
         )
 
 
