@@ -204,8 +204,11 @@ def test_smollm2_matches_transformers(smollm2, quantization):
     assert (packed.dtype == torch.uint8) == (quantization == "gguf")
     sequences = [p + g[:-1] for p, g in zip(prompts, greedy)]
     ours = run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [len(p) for p in prompts], [1, 1])
-    # Packed, the layers ran as one native op (ops.llama_decoder_layers).
-    assert (model.model.fused_layer_args() is not None) == (quantization == "gguf")
+    # The layers run as one native op (ops.llama_decoder_layers): packed at
+    # every step, dequantized in the steps whose rows dense() gives to Pagoda's
+    # kernel (fp32: 2 to 64).
+    fused = model.model.fused_layer_args()
+    assert fused is not None and (ops.DENSE_WEIGHT in fused.weight_types) == (quantization is None)
     for got, want, prompt, new in zip(ours, hf_logits, prompts, greedy):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # logits reach ~40
         assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
