@@ -128,8 +128,27 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
                                static_cast<cpu::GgufType>(weight_type), out_rows.width);
 }
 
-// A llama-family model's decoder layers in one call (GGUF-packed linears, no
-// biases, one rank): the per-layer sequence of LlamaDecoderLayer.forward,
+// weight_types' entry for a dense [N, K] weight in the activations' dtype,
+// multiplied by Pagoda's linear kernel (ops.DENSE_WEIGHT); others are GGUF
+// types.
+constexpr int64_t kDenseWeight = -1;
+
+// quantize_input: the 32-value GGUF formats multiply int8 inputs (the
+// K-quants have no int8 kernel and take fp32 ones).
+void layer_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t weight_type,
+                  bool quantize_input) {
+  const c10::optional<at::Tensor> no_bias;
+  if (weight_type == kDenseWeight) {
+    linear_cpu(out, input, weight, no_bias);
+  } else {
+    gguf_linear_cpu(out, input, weight, weight_type, no_bias,
+                    quantize_input && gguf_block(weight_type).values == kGgufBlock);
+  }
+}
+
+// A llama-family model's decoder layers in one call (GGUF-packed linears in
+// fp32, or dense ones on Pagoda's linear kernel in any dtype; no biases, one
+// rank): the per-layer sequence of LlamaDecoderLayer.forward,
 // calling the ops above directly, so that a CPU step pays the Python and
 // dispatcher cost of one op instead of about ten per layer, and allocates its
 // intermediates once instead of per layer. Same kernels in the same order as
@@ -140,14 +159,15 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
 // the final norm's output. Per layer, weights holds 6 tensors (qkv_proj,
 // o_proj, post_attention_layernorm, gate_up_proj, down_proj, and the norm
 // that follows the layer: the next layer's input_layernorm, or the model's
-// final norm after the last), weight_types the GGUF types of the 4 linears,
-// and kv_caches the key and value cache.
+// final norm after the last), weight_types the GGUF types of the 4 linears
+// (kDenseWeight for a dense one), and kv_caches the key and value cache.
+// quantize_input as gguf_linear's, for every packed linear that has it.
 void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                               at::TensorList weights, at::IntArrayRef weight_types, at::TensorList kv_caches,
                               const at::Tensor& cos_sin_cache, bool is_neox, const at::Tensor& slot_mapping,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_size, double scale, double epsilon) {
+                              int64_t head_size, double scale, double epsilon, bool quantize_input) {
   check_cpu(hidden, "hidden");
   const int64_t num_layers = static_cast<int64_t>(weight_types.size()) / 4;
   TORCH_CHECK_VALUE(static_cast<int64_t>(weight_types.size()) == 4 * num_layers &&
@@ -174,20 +194,19 @@ void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at
   at::Tensor x = at::empty_like(hidden);
   at::Tensor gate_up = at::empty({num_tokens, 2 * intermediate}, options);
   at::Tensor act = at::empty({num_tokens, intermediate}, options);
-  const c10::optional<at::Tensor> no_bias;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const int64_t* type = weight_types.data() + 4 * l;
     at::Tensor key_cache = kv_caches[2 * l], value_cache = kv_caches[2 * l + 1];
-    gguf_linear_cpu(qkv, hidden, w[0], type[0], no_bias, false);
+    layer_linear(qkv, hidden, w[0], type[0], quantize_input);
     rotary_embedding_cpu(positions, q, k, head_size, cos_sin_cache, is_neox);
     reshape_and_cache_cpu(k_heads, v_heads, key_cache, value_cache, slot_mapping);
     paged_attention_cpu(attn, q_heads, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
-    gguf_linear_cpu(x, attn_rows, w[1], type[1], no_bias, false);
+    layer_linear(x, attn_rows, w[1], type[1], quantize_input);
     fused_add_rms_norm_cpu(x, residual, w[2], epsilon);
-    gguf_linear_cpu(gate_up, x, w[3], type[2], no_bias, false);
+    layer_linear(gate_up, x, w[3], type[2], quantize_input);
     silu_and_mul_cpu(act, gate_up);
-    gguf_linear_cpu(hidden, act, w[4], type[3], no_bias, false);
+    layer_linear(hidden, act, w[4], type[3], quantize_input);
     fused_add_rms_norm_cpu(hidden, residual, w[5], epsilon);
   }
 }
@@ -226,7 +245,7 @@ TORCH_LIBRARY(pagoda, m) {
       "llama_decoder_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] weights, "
       "int[] weight_types, Tensor(c!)[] kv_caches, Tensor cos_sin_cache, bool is_neox, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, "
-      "int head_size, float scale, float epsilon) -> ()");
+      "int head_size, float scale, float epsilon, bool quantize_input=False) -> ()");
   m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets) -> ()");

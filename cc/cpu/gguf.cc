@@ -33,6 +33,8 @@
 // while it walks the inputs kInputChunk rows at a time.
 #include <omp.h>
 
+#include <cstdlib>
+
 #include "cc/cpu/kernels.h"
 #include "cc/cpu/vec.h"
 
@@ -46,6 +48,9 @@ using vec::Vec;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thread's weight rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
+// From this many input rows the int8 path multiplies 16-row panels
+// (gguf_panel.inc) where the CPU has AVX512_VNNI.
+constexpr int64_t kPanelMinRows = 4;
 
 template <int N>
 struct Int {
@@ -437,6 +442,7 @@ namespace plain {
 #define PAGODA_GGUF_VNNI
 namespace vnni {
 #include "cc/cpu/gguf_dot.inc"
+#include "cc/cpu/gguf_panel.inc"
 }  // namespace vnni
 #undef PAGODA_GGUF_VNNI
 #pragma GCC pop_options
@@ -507,6 +513,18 @@ void gguf_linear_int8(float* out, int64_t out_stride, const float* input, int64_
   });
 #ifdef __AVX512F__
   static const bool vnni_here = has_vnni();
+  if (vnni_here && M >= kPanelMinRows) {
+    float* sx = new float[M * nb];  // d_x * sum(q_x) per block, for the minimum
+    for (int64_t i = 0; i < M * nb; ++i) {
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) sum += x[i].q[j];
+      sx[i] = x[i].d * static_cast<float>(sum);
+    }
+    vnni::multiply_panels<F>(out, out_stride, x, sx, weight, row_bytes, nb, bias, M, N);
+    delete[] sx;
+    delete[] x;
+    return;
+  }
   if (vnni_here) {
     multiply(vnni::Int8Tile<F>{weight, row_bytes, nb, x}, out, out_stride, bias, M, N, K);
     delete[] x;

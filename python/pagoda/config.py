@@ -21,7 +21,7 @@ logger = init_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "gguf", "fp8", "none")
+QUANTIZATIONS = ("auto", "gguf", "gguf_int8", "fp8", "none")
 # "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): float8 e4m3
 # with unit scale, half the bytes a decode step reads.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -114,11 +114,15 @@ class ModelConfig:
     # to the order of fp32 sums, from a fifth of the bytes), "none"
     # dequantizes them to dtype at load. "auto" is gguf wherever it applies
     # (SmolLM2: the same greedy tokens as none, a batch-1 request 4.8x
-    # faster, 0.57x the peak memory; docs/BENCHMARKS.md), else none. "fp8": the linear layers' weights
+    # faster, 0.57x the peak memory; docs/BENCHMARKS.md), else none.
+    # "gguf_int8": packed as gguf, and the Q4_0/Q4_1/Q8_0 products take their
+    # inputs rounded to int8 per block of 32 (llama.cpp's way; AVX512_VNNI
+    # where the CPU has it): faster at many rows, not the same tokens as none
+    # (docs/BENCHMARKS.md states the tolerance). "fp8": the linear layers' weights
     # quantized to float8 e4m3 at load (per output channel), activations per
     # token, FP8 tensor-core GEMMs (model_executor/layers/fp8.py); bf16/fp16
     # models.
-    # Resolved to "gguf", "fp8" or None.
+    # Resolved to "gguf", "gguf_int8", "fp8" or None.
     quantization: str | None = "auto"
 
     def __post_init__(self):
@@ -185,14 +189,16 @@ class ModelConfig:
             self.gguf_file is not None and self.load_format != "dummy" and self.device.type == "cpu"
             and self.torch_dtype == torch.float32
         )
-        if self.quantization == "gguf" and not packable:
+        if self.quantization in ("gguf", "gguf_int8") and not packable:
             raise ValueError(
-                "quantization='gguf' (packed GGUF weights) needs a GGUF model on the CPU in float32, got "
+                f"quantization={self.quantization!r} (packed GGUF weights) needs a GGUF model on the CPU in float32, got "
                 f"{'a GGUF' if self.gguf_file else 'a non-GGUF'} model on {self.device.type} in {self.torch_dtype}"
             )
         if self.quantization == "fp8":
             self._check_fp8()
             return "fp8"
+        if self.quantization == "gguf_int8":
+            return "gguf_int8"
         return "gguf" if self.quantization == "gguf" or self.quantization == "auto" and packable else None
 
     def _check_fp8(self) -> None:

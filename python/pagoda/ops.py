@@ -133,6 +133,8 @@ def linear(
 # minimum, then the quants); the K-quants Q4_K, Q6_K: super-blocks of 256.
 GGUF_BLOCK = 32
 GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+# The formats gguf_linear's quantize_input takes.
+GGUF_INT8_TYPES = tuple(t for t, (values, _) in GGUF_BLOCKS.items() if values == GGUF_BLOCK)
 
 
 def gguf_linear(
@@ -167,6 +169,11 @@ def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, weight_type: int, em
     return out
 
 
+# llama_decoder_layers' weight type of a dense [N, K] weight in the
+# activations' dtype (multiplied as ops.linear does); other types are GGUF's.
+DENSE_WEIGHT = -1
+
+
 def llama_decoder_layers(
     hidden: torch.Tensor,
     residual: torch.Tensor,
@@ -185,21 +192,25 @@ def llama_decoder_layers(
     head_size: int,
     scale: float,
     eps: float,
+    quantize_input: bool = False,
 ) -> None:
-    """A llama-family model's decoder layers in one call, in place (CPU; fp32
-    with GGUF-packed linears, no biases): per layer, qkv = gguf_linear(hidden),
+    """A llama-family model's decoder layers in one call, in place (CPU; GGUF-
+    packed linears in fp32, or dense ones in any dtype, no biases): per layer,
+    qkv = gguf_linear(hidden) (linear for a DENSE_WEIGHT),
     rotary_embedding on q and k, reshape_and_cache of k and v,
     paged_attention, o_proj, fused_add_rms_norm with the post-attention norm,
     gate_up, silu_and_mul, down, fused_add_rms_norm with the norm after the
     layer. hidden [num_tokens, hidden_size] enters as layer 0's normalized
     input and leaves as the last norm's output; residual enters as the
     embeddings. Per layer: weights = (qkv, o, post-attention norm, gate_up,
-    down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down),
-    kv_caches = (key cache, value cache). llama_decoder_layers_reference is the
-    same in torch."""
+    down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down)
+    or DENSE_WEIGHT,
+    kv_caches = (key cache, value cache). quantize_input: the Q4_0/Q4_1/Q8_0
+    linears multiply inputs rounded to int8 (gguf_linear's).
+    llama_decoder_layers_reference is the same in torch."""
     torch.ops.pagoda.llama_decoder_layers(
         hidden, residual, positions, weights, weight_types, kv_caches, cos_sin_cache, is_neox, slot_mapping,
-        block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, scale, eps,
+        block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads, head_size, scale, eps, quantize_input,
     )
 
 
@@ -442,6 +453,15 @@ def gguf_linear_reference(
     return linear_reference(x.double(), gguf_dequantize_reference(weight, weight_type), bias).float()
 
 
+def _layer_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_type: int, quantize_input: bool
+) -> torch.Tensor:
+    if weight_type == DENSE_WEIGHT:
+        return linear_reference(x, weight)
+    int8 = quantize_input and weight_type in GGUF_INT8_TYPES
+    return gguf_linear_reference(x, weight, weight_type, quantize_input=int8)
+
+
 def llama_decoder_layers_reference(
     hidden: torch.Tensor,
     residual: torch.Tensor,
@@ -460,6 +480,7 @@ def llama_decoder_layers_reference(
     head_size: int,
     scale: float,
     eps: float,
+    quantize_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """llama_decoder_layers from the other ops' references; returns the new
     (hidden, residual, kv_caches)."""
@@ -468,7 +489,8 @@ def llama_decoder_layers_reference(
     for layer in range(len(weight_types) // 4):
         qkv_w, o_w, post_norm, gate_up_w, down_w, next_norm = weights[6 * layer : 6 * layer + 6]
         qkv_type, o_type, gate_up_type, down_type = weight_types[4 * layer : 4 * layer + 4]
-        q, k, v = gguf_linear_reference(hidden, qkv_w, qkv_type).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = _layer_linear_reference(hidden, qkv_w, qkv_type, quantize_input)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k = rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neox)
         k, v = k.reshape(tokens, num_kv_heads, head_size), v.reshape(tokens, num_kv_heads, head_size)
         caches[2 * layer], caches[2 * layer + 1] = reshape_and_cache_reference(
@@ -479,11 +501,11 @@ def llama_decoder_layers_reference(
             seq_lens, query_start_loc, scale,
         )
         x, residual = fused_add_rms_norm_reference(
-            gguf_linear_reference(attn.reshape(tokens, q_size), o_w, o_type), residual, post_norm, eps
+            _layer_linear_reference(attn.reshape(tokens, q_size), o_w, o_type, quantize_input), residual, post_norm, eps
         )
-        act = silu_and_mul_reference(gguf_linear_reference(x, gate_up_w, gate_up_type))
+        act = silu_and_mul_reference(_layer_linear_reference(x, gate_up_w, gate_up_type, quantize_input))
         hidden, residual = fused_add_rms_norm_reference(
-            gguf_linear_reference(act, down_w, down_type), residual, next_norm, eps
+            _layer_linear_reference(act, down_w, down_type, quantize_input), residual, next_norm, eps
         )
     return hidden, residual, caches
 

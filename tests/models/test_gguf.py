@@ -204,25 +204,36 @@ def test_smollm2_matches_transformers(smollm2, quantization):
     assert (packed.dtype == torch.uint8) == (quantization == "gguf")
     sequences = [p + g[:-1] for p, g in zip(prompts, greedy)]
     ours = run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [len(p) for p in prompts], [1, 1])
-    # Packed, the layers ran as one native op (ops.llama_decoder_layers).
-    assert (model.model.fused_layer_args() is not None) == (quantization == "gguf")
+    # The layers run as one native op (ops.llama_decoder_layers): packed at
+    # every step, dequantized in the steps whose rows dense() gives to Pagoda's
+    # kernel (fp32: 2 to 64).
+    fused = model.model.fused_layer_args()
+    assert fused is not None and (ops.DENSE_WEIGHT in fused.weight_types) == (quantization is None)
     for got, want, prompt, new in zip(ours, hf_logits, prompts, greedy):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # logits reach ~40
         assert got[len(prompt) - 1 :].argmax(-1).tolist() == new
 
 
-def test_smollm2_fused_layers_equal_per_op_path(smollm2):
-    """Packed on the CPU, the decoder layers run as one native op; the per-op
-    path (each layer's modules) computes the same logits bit for bit, over
-    prefill, chunked prefill and decode steps of sequences batched together."""
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [(torch.float32, "gguf"), (torch.float32, "gguf_int8"), (torch.bfloat16, None)],
+    ids=["packed-fp32", "packed-int8-inputs", "dense-bf16"],
+)
+def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype, quantization):
+    """On the CPU the decoder layers run as one native op (packed in fp32,
+    with or without int8 inputs; dequantized to bf16, for steps whose linears
+    take Pagoda's kernel); the per-op path (each layer's modules) computes
+    the same logits bit for bit, over prefill, chunked prefill and decode
+    steps of sequences batched together."""
     folder, _, config, _ = smollm2
-    model = get_model(folder, config, torch.float32, gguf_file=SMOLLM2_FILE, quantization="gguf")
+    model = get_model(folder, config, dtype, gguf_file=SMOLLM2_FILE, quantization=quantization)
+    assert (model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8) == (dtype == torch.float32)
     sequences = [list(range(1000 + 97 * s, 1000 + 97 * s + n)) for s, n in enumerate([3, 20, 37])]
     results = []
     for fuse in (True, False):
         model.model.fuse_layers = fuse
-        results.append(run_schedule(PagedRunner(model, torch.float32, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
-    assert model.model.fused_layer_args() is not None
+        results.append(run_schedule(PagedRunner(model, dtype, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
+    assert model.model.fused_layer_args().quantize_input == (quantization == "gguf_int8")
     for fused, per_op in zip(*results):
         assert torch.equal(fused, per_op)
 

@@ -284,6 +284,26 @@ def test_work_split_over_threads(dtype, threads, seq_lens, q_lens):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (8, 8)])
+@pytest.mark.parametrize("head_size", [64, 40])
+def test_items_of_all_kv_heads(dtype, threads, heads, head_size):
+    """With chunks enough for every thread, an item takes all kv heads of its
+    chunk (head after head within each key tile), while the keys of a long
+    sequence beside them are still split into one-head ranges: 17 decodes of
+    odd lengths, a 37-token prefill and a 3000-key decode, read in place
+    (head size 64) or through converted tiles (40)."""
+    seq_lens, q_lens = [3000, 37, *(5 + 11 * i for i in range(17))], [1, 37, *[1] * 17]
+    batch = make_batch(seq_lens, q_lens, *heads, head_size, 16, dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        check(batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_engine_steps_match_causal_attention(device):
     """The engine's flow: reshape_and_cache the new tokens' K/V, then
     paged_attention; a chunked prefill then decode steps, compared with plain

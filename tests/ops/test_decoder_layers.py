@@ -13,22 +13,30 @@ from pagoda import ops
 HIDDEN, INTERMEDIATE, BLOCK_SIZE, EPS = 64, 96, 16, 1e-5
 
 
-def make_layers(num_layers, num_heads, num_kv_heads, head_size, types, num_blocks):
+def random_weight(rows, cols, weight_type, dtype):
+    """GGUF blocks of weight_type, or a dense matrix of dtype (of about the
+    blocks' scale) for ops.DENSE_WEIGHT."""
+    if weight_type == ops.DENSE_WEIGHT:
+        return (torch.randn(rows, cols) * cols**-0.5).to(dtype)
+    return ops.gguf_random_blocks(rows, cols, weight_type)
+
+
+def make_layers(num_layers, num_heads, num_kv_heads, head_size, types, num_blocks, dtype=torch.float32):
     """Per-layer weights and caches as ops.llama_decoder_layers takes them;
     the caches hold random values (earlier tokens' keys and values)."""
     weights, weight_types, kv_caches = [], [], []
     for layer in range(num_layers):
         qkv_type, o_type, gate_up_type, down_type = types[layer % len(types)]
         weights += [
-            ops.gguf_random_blocks((num_heads + 2 * num_kv_heads) * head_size, HIDDEN, qkv_type),
-            ops.gguf_random_blocks(HIDDEN, num_heads * head_size, o_type),
-            1 + 0.1 * torch.randn(HIDDEN),
-            ops.gguf_random_blocks(2 * INTERMEDIATE, HIDDEN, gate_up_type),
-            ops.gguf_random_blocks(HIDDEN, INTERMEDIATE, down_type),
-            1 + 0.1 * torch.randn(HIDDEN),
+            random_weight((num_heads + 2 * num_kv_heads) * head_size, HIDDEN, qkv_type, dtype),
+            random_weight(HIDDEN, num_heads * head_size, o_type, dtype),
+            (1 + 0.1 * torch.randn(HIDDEN)).to(dtype),
+            random_weight(2 * INTERMEDIATE, HIDDEN, gate_up_type, dtype),
+            random_weight(HIDDEN, INTERMEDIATE, down_type, dtype),
+            (1 + 0.1 * torch.randn(HIDDEN)).to(dtype),
         ]
         weight_types += [qkv_type, o_type, gate_up_type, down_type]
-        kv_caches += [torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_size) for _ in range(2)]
+        kv_caches += [torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_size).to(dtype) for _ in range(2)]
     return weights, weight_types, kv_caches
 
 
@@ -62,23 +70,51 @@ BATCHES = {
     "mixed": ([50, 17, 33], [1, 17, 5]),
 }
 TYPES = [(3, 3, 3, 3), (2, 8, 3, 2), (8, 2, 8, 3)]  # Q4_1 throughout (SmolLM2), then mixed Q4_0 / Q8_0
+D = ops.DENSE_WEIGHT
+# (seen: 6.7e-2 past rtol over 5 seeds; tests/models/test_gguf.py holds the
+# op to the per-op path bit for bit)
+INT8_TOLERANCE = (1e-3, 0.15)
+BF16_TOLERANCE = (1.6e-2, 1e-2)  # rtol, atol as a fraction of the largest value (seen: 3.8e-3 past rtol)
+# Dense weights throughout (a bf16 or fp32 checkpoint), and dense beside packed
+# (a GGUF file whose fused parts differ in type is dequantized at load).
+DENSE_TYPES = {torch.bfloat16: [(D, D, D, D)], torch.float32: [(D, D, D, D), (3, D, 8, D)]}
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 def test_llama_decoder_layers(batch, heads, is_neox):
+    check_layers(batch, heads, is_neox, TYPES, torch.float32)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("dtype", DENSE_TYPES, ids=str)
+def test_llama_decoder_layers_dense(batch, heads, dtype):
+    check_layers(batch, heads, True, DENSE_TYPES[dtype], dtype)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_llama_decoder_layers_int8_inputs(batch):
+    """quantize_input: the Q4_0/Q4_1/Q8_0 linears take inputs rounded to int8
+    (the reference rounds them the same way)."""
+    check_layers(batch, (4, 2), True, TYPES, torch.float32, quantize_input=True)
+
+
+def check_layers(batch, heads, is_neox, types, dtype, quantize_input=False):
     torch.manual_seed(0)
     num_heads, num_kv_heads = heads
     head_size, num_layers = 32, 3
     num_blocks, metadata = make_batch(*BATCHES[batch])
-    weights, weight_types, kv_caches = make_layers(num_layers, num_heads, num_kv_heads, head_size, TYPES, num_blocks)
+    weights, weight_types, kv_caches = make_layers(
+        num_layers, num_heads, num_kv_heads, head_size, types, num_blocks, dtype
+    )
     tokens = metadata["positions"].numel()
-    hidden, residual = torch.randn(tokens, HIDDEN), torch.randn(tokens, HIDDEN)
+    hidden, residual = torch.randn(tokens, HIDDEN).to(dtype), torch.randn(tokens, HIDDEN).to(dtype)
     args = dict(
         weights=weights, weight_types=weight_types, cos_sin_cache=ops.rotary_cos_sin_cache(head_size, 128),
         is_neox=is_neox, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-        scale=head_size**-0.5, eps=EPS, **metadata,
+        scale=head_size**-0.5, eps=EPS, quantize_input=quantize_input, **metadata,
     )
     want_hidden, want_residual, want_caches = ops.llama_decoder_layers_reference(
         hidden, residual, kv_caches=kv_caches, **args
@@ -88,9 +124,18 @@ def test_llama_decoder_layers(batch, heads, is_neox):
     # Three layers of fp32 sums in another order than the references' (fp64
     # linears, fp32 norms and attention), each layer's rounding amplified by
     # the next: within 3e-4 of each tensor's largest value (seen: up to 5.5e-5;
-    # a wrong weight, head or slot is off by the values themselves).
+    # a wrong weight, head or slot is off by the values themselves). In bf16
+    # every op rounds its output to 8 bits, and a sum rounded the other way
+    # (2^-9 relative) travels on through the layers: BF16_TOLERANCE.
+    # int8 inputs: a sum rounded the other way can move an input across an
+    # int8 rounding boundary, off by half a step (1/254 of its block's
+    # largest value) in the next layer, and attention's softmax and the
+    # next layers amplify it: INT8_TOLERANCE.
+    rtol, atol = (1e-4, 3e-4) if dtype == torch.float32 else BF16_TOLERANCE
+    if quantize_input:
+        rtol, atol = INT8_TOLERANCE
     for got, want in [(hidden, want_hidden), (residual, want_residual), *zip(caches, want_caches)]:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-4 * want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol * want.abs().max().item())
 
 
 def test_llama_decoder_layers_errors():
@@ -101,6 +146,10 @@ def test_llama_decoder_layers_errors():
     with pytest.raises(ValueError, match="per layer, weights needs 6 tensors"):
         ops.llama_decoder_layers(torch.randn(1, HIDDEN), torch.randn(1, HIDDEN), weights=weights[:-1],
                                  weight_types=weight_types, kv_caches=kv_caches, **args)
+    with pytest.raises(TypeError, match="input must be float32"):  # packed weights take fp32 activations
+        bf16 = [w.bfloat16() if w.is_floating_point() else w for w in weights]
+        ops.llama_decoder_layers(torch.randn(1, HIDDEN).bfloat16(), torch.randn(1, HIDDEN).bfloat16(), weights=bf16,
+                                 weight_types=weight_types, kv_caches=[c.bfloat16() for c in kv_caches], **args)
     with pytest.raises(ValueError, match="is outside the cos_sin_cache"):
         bad = dict(args, positions=torch.tensor([99]))
         ops.llama_decoder_layers(torch.randn(1, HIDDEN), torch.randn(1, HIDDEN), weights=weights,

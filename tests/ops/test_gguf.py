@@ -87,6 +87,19 @@ def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
     check(out, x, weight, weight_type, bias, quantize_input)
 
 
+@pytest.mark.parametrize("name", TYPES)  # the formats quantize_input takes
+@pytest.mark.parametrize("m", [4, 6, 7, 9])
+@pytest.mark.parametrize("n", [15, 16, 17, 31, 32, 33, 48, 65])
+def test_gguf_linear_int8_panels(name, m, n):
+    """From 4 input rows the int8 path multiplies panels of 16 weight rows,
+    two at a time, 4 input rows per tile (AVX512_VNNI): output rows around
+    the panels and their pairs, input rows around the tile, with a bias."""
+    weight_type = TYPES[name]
+    weight = ops.gguf_random_blocks(n, 96, weight_type)
+    x, bias = torch.randn(m, 96), torch.randn(n)
+    check(ops.gguf_linear(x, weight, weight_type, bias, quantize_input=True), x, weight, weight_type, bias, True)
+
+
 @pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("name", TYPES)
 def test_gguf_linear_many_rows_and_bias(name, quantize_input):

@@ -6,6 +6,7 @@ the decode step time (median over the steps of the timed run, from the
 engine's step calls) and the profiler's table of ops (self CPU time).
 
   PYTHONPATH=python python tools/benchmarks/bench_cpu_step.py [--batch-size 1] [--dtype float32]
+      [--quantization gguf_int8] [--no-enable-prefix-caching]
 """
 
 import argparse
@@ -21,15 +22,19 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="prefill every run in full (the runs repeat the same prompts)")
     args = parser.parse_args()
 
     from pagoda.entrypoints.default_model import default_model
     from pagoda.entrypoints.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
-    llm = LLM(model=default_model(), dtype=args.dtype)
+    llm = LLM(model=default_model(), dtype=args.dtype, enable_prefix_caching=args.prefix_caching,
+              quantization=args.quantization)
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(100, 49000, (args.input_len,), generator=g).tolist()}

@@ -26,7 +26,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"  # "auto" (CUDA where usable, else CPU), "cpu", "cuda"
     load_format: str = "auto"
-    quantization: str = "auto"  # "fp8" (FP8 weights and GEMMs), "gguf" (packed GGUF on the CPU), "none"/"auto"
+    quantization: str = "auto"  # "fp8" (FP8 weights and GEMMs), "gguf" (packed GGUF on the CPU), "gguf_int8" (packed, int8 inputs), "none"/"auto"
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)

@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from pagoda import ops
+
 
 class LazyTensor:
     """A checkpoint tensor not read yet, with the little of torch.Tensor's
@@ -90,6 +92,19 @@ def pack_parameter(param: nn.Parameter, packed: PackedWeight) -> None:
         param.gguf_type = packed.weight_type
     elif weight_type != packed.weight_type:
         raise ValueError(f"parts of one fused weight are packed in GGUF types {weight_type} and {packed.weight_type}")
+
+
+def quantize_packed_inputs(model: nn.Module) -> int:
+    """Marks the packed weights of the 32-value GGUF formats (Q4_0, Q4_1,
+    Q8_0; the K-quants have no int8 kernel) so that dense() has them multiply
+    inputs rounded to int8 per block (gguf_linear's quantize_input). Returns
+    how many."""
+    marked = 0
+    for param in model.parameters():
+        if getattr(param, "gguf_type", None) in ops.GGUF_INT8_TYPES:
+            param.gguf_quantize_input = True
+            marked += 1
+    return marked
 
 
 def check_shape(expected: tuple[int, ...], loaded_weight: torch.Tensor | LazyTensor) -> None:

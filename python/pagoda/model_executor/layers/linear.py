@@ -40,22 +40,29 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     kept in GGUF blocks (gguf_type set by the loader) goes to the packed
     kernel at any number of rows (fp32 products on blocks dequantized in
     registers: as fast as torch's fp32 GEMM on the dequantized weight from
-    64 to 1024 rows, docs/BENCHMARKS.md), an FP8 one (fp8_scale set by
+    64 to 1024 rows, docs/BENCHMARKS.md; on inputs rounded to int8 where
+    quantize_packed_inputs marked it), an FP8 one (fp8_scale set by
     quantize_linear_weights) to the FP8 GEMM."""
     gguf_type = getattr(weight, "gguf_type", None)
     if gguf_type is not None:
-        return ops.gguf_linear(x, weight, gguf_type, bias)
+        return ops.gguf_linear(x, weight, gguf_type, bias,
+                               quantize_input=getattr(weight, "gguf_quantize_input", False))
     fp8_scale = getattr(weight, "fp8_scale", None)
     if fp8_scale is not None:
         return fp8_linear(x, weight, fp8_scale, bias)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type == "cpu" and (
-        x.dtype == torch.float16
-        or x.dtype == torch.float32 and 2 <= rows <= 64
-        or x.dtype == torch.bfloat16 and (rows <= 64 or not _TORCH_BF16_GEMM_FAST)
-    ):
+    if x.device.type == "cpu" and cpu_kernel_takes(x.numel() // max(x.shape[-1], 1), x.dtype):
         return ops.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def cpu_kernel_takes(rows: int, dtype: torch.dtype) -> bool:
+    """Whether dense() multiplies `rows` rows of dtype on the CPU with Pagoda's
+    kernel (ops.linear) rather than torch's."""
+    return (
+        dtype == torch.float16
+        or dtype == torch.float32 and 2 <= rows <= 64
+        or dtype == torch.bfloat16 and (rows <= 64 or not _TORCH_BF16_GEMM_FAST)
+    )
 
 
 # Where the CPU has AVX512_BF16, torch's bf16 GEMM (oneDNN) multiplies on it as

@@ -15,6 +15,7 @@ from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_wei
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.model_executor.model_loader.safetensors_loader import safetensors_files, safetensors_weights_iterator
 from pagoda.model_executor.models.registry import get_model_class
+from pagoda.model_executor.weight_utils import quantize_packed_inputs
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 logger = init_logger(__name__)
@@ -63,6 +64,8 @@ def get_model(
     quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices packed
     (the CPU's packed kernels multiply them) on one rank; under tensor
     parallelism they are dequantized, since the packed rows are not split.
+    "gguf_int8" packs them as "gguf" and has the Q4_0/Q4_1/Q8_0 ones multiply
+    inputs rounded to int8 (see quantize_packed_inputs).
     "fp8" quantizes the linear layers' weights to float8 once they are
     loaded (each rank its own shard); None dequantizes everything to dtype."""
     model = os.fspath(model)
@@ -70,8 +73,8 @@ def get_model(
     if load_format == "safetensors":
         weights = safetensors_weights_iterator(safetensors_files(model), dtype)
     elif load_format == "gguf":
-        packed = quantization == "gguf" and get_tensor_model_parallel_world_size() == 1
-        if quantization == "gguf" and not packed:
+        packed = quantization in ("gguf", "gguf_int8") and get_tensor_model_parallel_world_size() == 1
+        if quantization in ("gguf", "gguf_int8") and not packed:
             logger.info("GGUF weights dequantized to %s: packed weights run on one rank", dtype)
         weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype, packed=packed)
     else:
@@ -82,6 +85,8 @@ def get_model(
         initialize_dummy_weights(instance)
     else:
         instance.load_weights(weights)
+    if quantization == "gguf_int8":
+        logger.info("GGUF weights: %d packed matrices multiply int8 inputs", quantize_packed_inputs(instance))
     if quantization == "fp8":
         quantized, kept = quantize_linear_weights(instance)
         logger.info("FP8 weights: %d linear layers quantized%s", quantized,

@@ -25,7 +25,12 @@ from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.model_executor.layers.activation import SiluAndMul
 from pagoda.model_executor.layers.attention import Attention
 from pagoda.model_executor.layers.layernorm import RMSNorm
-from pagoda.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    cpu_kernel_takes,
+)
 from pagoda.forward_context import get_attention_metadata
 from pagoda.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 from pagoda.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -123,7 +128,7 @@ class FusedLayerArgs:
     """What ops.llama_decoder_layers takes besides the step's inputs (see there)."""
 
     weights: list[torch.Tensor]
-    weight_types: list[int]
+    weight_types: list[int]  # GGUF types, or ops.DENSE_WEIGHT
     kv_caches: list[torch.Tensor]
     cos_sin_cache: torch.Tensor
     is_neox: bool
@@ -132,6 +137,7 @@ class FusedLayerArgs:
     head_size: int
     scale: float
     eps: float
+    quantize_input: bool  # the Q4_0/Q4_1/Q8_0 linears take int8 inputs (quantization="gguf_int8")
 
 
 class LlamaModel(nn.Module):
@@ -151,13 +157,15 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         fused = self.fused_layer_args() if self.fuse_layers else None
-        if fused is not None:
+        if fused is not None and (
+            ops.DENSE_WEIGHT not in fused.weight_types or cpu_kernel_takes(input_ids.numel(), fused.weights[0].dtype)
+        ):
             residual, hidden_states = hidden_states, self.layers[0].input_layernorm(hidden_states)
             m = get_attention_metadata()
             ops.llama_decoder_layers(
                 hidden_states, residual, positions, fused.weights, fused.weight_types, fused.kv_caches,
                 fused.cos_sin_cache, fused.is_neox, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc,
-                fused.num_heads, fused.num_kv_heads, fused.head_size, fused.scale, fused.eps,
+                fused.num_heads, fused.num_kv_heads, fused.head_size, fused.scale, fused.eps, fused.quantize_input,
             )
             return hidden_states
         for layer in self.layers:
@@ -167,10 +175,13 @@ class LlamaModel(nn.Module):
 
     def fused_layer_args(self) -> FusedLayerArgs | None:
         """The fused op's arguments where it computes exactly what the layers'
-        forward does -- on the CPU in fp32 on one rank, every linear kept in
-        GGUF blocks without a bias, Llama's own attention and MLP (not Qwen3's
-        q/k norms), KV caches bound -- else None. Worked out once the runner
-        has bound the caches, and again only if it binds others."""
+        forward does -- on the CPU on one rank, every linear without a bias and
+        kept in GGUF blocks (fp32) or dense in the model's dtype, Llama's own
+        attention and MLP (not Qwen3's q/k norms), KV caches bound -- else
+        None. With dense weights forward() runs it only for steps whose rows
+        dense() gives to Pagoda's kernel (decode batches; prefill's GEMMs stay
+        on torch). Worked out once the runner has bound the caches, and again
+        only if it binds others."""
         key_cache = self.layers[0].self_attn.attn.kv_cache
         if key_cache is not None and key_cache[0] is self._fused_for:
             return self._fused_args
@@ -179,11 +190,12 @@ class LlamaModel(nn.Module):
         return self._fused_args
 
     def _build_fused_layer_args(self) -> FusedLayerArgs | None:
-        if self.norm.weight.device.type != "cpu" or self.norm.weight.dtype != torch.float32:
+        dtype = self.norm.weight.dtype
+        if self.norm.weight.device.type != "cpu":
             return None
         if get_tensor_model_parallel_world_size() != 1:
             return None
-        weights, weight_types, kv_caches = [], [], []
+        weights, weight_types, kv_caches, int8_inputs = [], [], [], set()
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
@@ -193,23 +205,40 @@ class LlamaModel(nn.Module):
                     or attn.attn.kv_cache is None):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(getattr(lin.weight, "gguf_type", None) is None or lin.bias is not None for lin in linears):
+            types = [self._fused_weight_type(lin.weight, dtype) for lin in linears]
+            if None in types or any(lin.bias is not None for lin in linears):
                 return None
             weights += [attn.qkv_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.weight, mlp.down_proj.weight, next_norm.weight]
-            weight_types += [lin.weight.gguf_type for lin in linears]
+            weight_types += types
+            int8_inputs |= {getattr(lin.weight, "gguf_quantize_input", False) for lin in linears
+                            if getattr(lin.weight, "gguf_type", None) in ops.GGUF_INT8_TYPES}
             kv_caches += attn.attn.kv_cache
         first = self.layers[0].self_attn
         eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps
                                                                       for layer in self.layers} | {self.norm.eps}
         shapes = {(layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads, layer.self_attn.head_dim,
                    layer.self_attn.attn.scale, layer.self_attn.rotary_emb) for layer in self.layers}
-        if len(eps) != 1 or len(shapes) != 1:
+        if len(eps) != 1 or len(shapes) != 1 or len(int8_inputs) > 1:
             return None
         return FusedLayerArgs(
             weights, weight_types, kv_caches, first.rotary_emb.cos_sin_cache, first.rotary_emb.is_neox_style,
             first.attn.num_heads, first.attn.num_kv_heads, first.head_dim, first.attn.scale, eps.pop(),
+            int8_inputs == {True},
         )
+
+
+    @staticmethod
+    def _fused_weight_type(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
+        """The fused op's type for a linear's weight: its GGUF type when packed
+        (fp32 models), DENSE_WEIGHT when a plain matrix of the model's dtype,
+        None when the op cannot take it (FP8 weights, packed beside bf16)."""
+        gguf_type = getattr(weight, "gguf_type", None)
+        if gguf_type is not None:
+            return gguf_type if dtype == torch.float32 else None
+        if weight.dtype != dtype or getattr(weight, "fp8_scale", None) is not None:
+            return None
+        return ops.DENSE_WEIGHT
 
 
 class LlamaForCausalLM(nn.Module):
