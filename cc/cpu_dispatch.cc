@@ -12,7 +12,8 @@ namespace {
 #define PAGODA_KERNEL_TABLE(ns)                                                                           \
   KernelTable {                                                                                           \
     #ns, &ns::rms_norm, &ns::fused_add_rms_norm, &ns::silu_and_mul, &ns::rotary_embedding,                \
-        &ns::reshape_and_cache, &ns::paged_attention, &ns::linear, &ns::gguf_linear, &ns::gguf_embedding          \
+        &ns::reshape_and_cache, &ns::paged_attention, &ns::linear, &ns::gguf_linear, &ns::gguf_embedding,        \
+        &ns::gumbel_argmax                                                                                \
   }
 
 // Best first.

@@ -211,13 +211,32 @@ void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at
   }
 }
 
-// Sampling runs on the GPU only (cuda/sampling.cu); on the CPU, Sampler uses
-// torch ops. Registered so that a CPU call says so instead of listing backends.
+void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
+                       const at::Tensor& offsets) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK_TYPE(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
+  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [num_rows, vocab_size], got shape ", logits.sizes());
+  const Rows rows = as_rows(logits, "logits");
+  auto check_per_row = [&](const at::Tensor& t, const char* name) {
+    check_same_device(t, name, logits, "logits");
+    check_index_vector(t, name, at::kLong, "int64", rows.count, "num_rows");
+  };
+  check_per_row(out, "out");
+  check_per_row(seeds, "seeds");
+  check_per_row(offsets, "offsets");
+  cpu_kernels().gumbel_argmax(out.data_ptr<int64_t>(), static_cast<const float*>(rows.data), rows.stride,
+                              seeds.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), rows.count, rows.width);
+}
+
+// The whole of sampling runs on the GPU only (cuda/sampling.cu); on the CPU,
+// Sampler filters with torch ops and races with gumbel_argmax. Registered so
+// that a CPU call says so instead of listing backends.
 void sample_cpu(at::Tensor&, const at::Tensor& logits, const at::Tensor&, const c10::optional<at::Tensor>&,
                 const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, const at::Tensor&,
                 const at::Tensor&) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "pagoda::sample has no CPU kernel: logits is on ", logits.device(),
-                              "; pass CUDA tensors (on the CPU, Sampler samples with torch ops)");
+                              "; pass CUDA tensors (on the CPU, Sampler filters with torch ops and races with "
+                              "pagoda::gumbel_argmax)");
 }
 
 }  // namespace
@@ -246,6 +265,7 @@ TORCH_LIBRARY(pagoda, m) {
       "int[] weight_types, Tensor(c!)[] kv_caches, Tensor cos_sin_cache, bool is_neox, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, "
       "int head_size, float scale, float epsilon, bool quantize_input=False) -> ()");
+  m.def("gumbel_argmax(Tensor(a!) out, Tensor logits, Tensor seeds, Tensor offsets) -> ()");
   m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets) -> ()");
@@ -262,5 +282,6 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("gguf_linear", &pagoda::gguf_linear_cpu);
   m.impl("gguf_embedding", &pagoda::gguf_embedding_cpu);
   m.impl("llama_decoder_layers", &pagoda::llama_decoder_layers_cpu);
+  m.impl("gumbel_argmax", &pagoda::gumbel_argmax_cpu);
   m.impl("sample", &pagoda::sample_cpu);
 }

@@ -16,6 +16,7 @@ CPU_KERNEL_SRCS = [
     "cc/cpu/linear.cc",
     "cc/cpu/norm.cc",
     "cc/cpu/rotary.cc",
+    "cc/cpu/sampling.cc",
 ]
 
 CPU_KERNEL_HDRS = [

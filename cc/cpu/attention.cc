@@ -52,8 +52,10 @@ constexpr int64_t kPrefetchKeys = 2 * kKeyTile;
 // Query rows (tokens x heads of a GQA group) per chunk, when the group is
 // smaller than this.
 constexpr int64_t kTargetRows = 16;
-// Key ranges of a split chunk are at least this long.
-constexpr int64_t kMinSplitKeys = 256;
+// Key ranges of a split chunk are at least this long. Short enough that one
+// decoding sequence of a few hundred keys splits: SmolLM2's 3 kv heads at 192
+// keys make 9 items that 2 threads share 5:4, where 3 whole heads went 2:1.
+constexpr int64_t kMinSplitKeys = 64;
 // Aim for this many work items per thread (dynamic scheduling evens them out).
 constexpr int64_t kItemsPerThread = 4;
 // Below this much work (rows x keys x head_size), one thread does everything.

@@ -85,7 +85,15 @@
      valid rows (the caller checks). */                                      \
   void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids,   \
                       int64_t num_ids, const void* weight, GgufType type,    \
-                      int64_t K);
+                      int64_t K);                                            \
+  /* out[r] = argmax_i logits[r][i] + gumbel(seeds[r], offsets[r], i) for    \
+     rows of vocab fp32 logits (logits_stride apart): the exponential race   \
+     with pagoda::sample's noise stream (see cc/cpu/sampling.cc); NaN wins,  \
+     ties go to the lower index, as in torch.argmax. */                      \
+  void gumbel_argmax(int64_t* out, const float* logits,                      \
+                     int64_t logits_stride, const int64_t* seeds,            \
+                     const int64_t* offsets, int64_t num_rows,               \
+                     int64_t vocab);
 
 namespace pagoda {
 namespace cpu {

@@ -71,9 +71,12 @@ def load():
     return _C
 
 
+@functools.cache
 def has_kernel(op: str, device: str = "cuda") -> bool:
     """Whether torch.ops.pagoda.<op> has an implementation for `device`
-    ("cpu", "cuda") in this process."""
+    ("cpu", "cuda") in this process. Cached: load() registers every kernel
+    there is, and the lookup costs about 50 us, which the sampler would pay
+    each step."""
     load()
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper())
 

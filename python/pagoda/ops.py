@@ -29,6 +29,7 @@ for _name in (
     "gguf_linear",
     "gguf_embedding",
     "llama_decoder_layers",
+    "gumbel_argmax",
     "sample",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
@@ -235,6 +236,20 @@ def sample(
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     torch.ops.pagoda.sample(out, logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    return out
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per row of float32 logits [num_rows, vocab_size], argmax(logits +
+    sample_gumbel(seeds, offsets, vocab_size)): the exponential race of
+    sample() over logits that are already scaled and filtered (-inf drops a
+    token), with its noise stream. CPU (cc/cpu/sampling.cc);
+    gumbel_argmax_reference is the same in torch."""
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.pagoda.gumbel_argmax(out, logits, seeds, offsets)
     return out
 
 
@@ -549,6 +564,12 @@ def sample_gumbel(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -
     words = philox4x32_10(counter, key).flatten(1)[:, :vocab_size]
     u = (words.float() + 0.5) * 2.0**-32
     return -torch.log(-torch.log1p(-u))
+
+
+def gumbel_argmax_reference(logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """gumbel_argmax in torch. The kernel's logs differ from torch's in the
+    last bits, so it picks the same tokens unless that breaks a near-tie."""
+    return (logits + sample_gumbel(seeds, offsets, logits.shape[1])).argmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -93,6 +93,25 @@ def test_caching_off_never_hits():
     assert not kv.pool.cached_block_hash_to_block
 
 
+def test_blocks_without_a_hash_are_reused_first():
+    """Freed blocks that hold no prefix-cache entry come back first, most
+    recently freed first: without caching, a run keeps reusing the same
+    blocks (their pages) instead of walking the whole cache."""
+    kv = KVCacheManager(16, BLOCK, enable_caching=False)
+    admit(kv, make_request("a", list(range(12))))
+    a_ids = kv.block_ids("a")
+    kv.free("a")
+    admit(kv, make_request("b", list(range(50, 62))))
+    assert sorted(kv.block_ids("b")) == sorted(a_ids)
+    # With caching, b's full blocks stay cached behind the rest; its partial
+    # last block (no hash) is the first to be reused.
+    kv = KVCacheManager(6, BLOCK)
+    admit(kv, make_request("b", list(range(10))))  # 2 full blocks + 2 tokens
+    b_ids = kv.block_ids("b")
+    kv.free("b")
+    assert kv.pool.free_queue.block_ids() == [b_ids[2], 3, 4, 5, b_ids[1], b_ids[0]]
+
+
 def test_lru_eviction_takes_chain_ends_first():
     kv = KVCacheManager(6, BLOCK)
     admit(kv, make_request("a", list(range(12))))  # blocks 0,1,2 (all full, all cached)

@@ -240,19 +240,21 @@ def test_seeded_rows_reproducible_across_batches():
     assert torch.equal(sa, sb) and torch.equal(sa, sc)  # the generator advanced the same amount
 
 
-def test_generator_advances_once_per_token():
-    """A seeded stream restarted from a saved state continues identically:
-    each sampled token consumes exactly one draw."""
-    logits = torch.randn(1, V)
+def test_seeded_stream_is_keyed_by_output_count():
+    """A seeded row's noise is keyed by its seed and the number of tokens it
+    has generated, not by the generator's state: a stream resumed at any
+    point continues identically, and the generator is never consumed."""
+    logits = torch.zeros(1, V)
     gen = make_generator(7)
-    first = [run(logits, [SamplingParams()], generators=[gen]).sampled_token_ids[0] for _ in range(5)]
-    ref = make_generator(7)
-    torch.empty(V).exponential_(generator=ref)
-    for _ in range(4):
-        torch.empty(V).exponential_(generator=ref)
-    assert torch.equal(gen.get_state(), ref.get_state())
+    state = gen.get_state()
+    first = [run(logits, [SamplingParams()], outputs=[[0] * k], generators=[gen]).sampled_token_ids[0]
+             for k in range(8)]
+    assert torch.equal(gen.get_state(), state)
     again = make_generator(7)
-    assert first == [run(logits, [SamplingParams()], generators=[again]).sampled_token_ids[0] for _ in range(5)]
+    backwards = [run(logits, [SamplingParams()], outputs=[[0] * k], generators=[again]).sampled_token_ids[0]
+                 for k in reversed(range(8))]
+    assert backwards == first[::-1]
+    assert len(set(first)) > 1  # the count moves the stream
 
 
 def test_greedy_rows_do_not_consume_their_generator():

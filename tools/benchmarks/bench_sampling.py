@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Speed of GPU sampling (ops.sample, one kernel, no vocabulary sort) beside
 the sampler's torch path run on the same CUDA logits (a full sort for
-top_k/top_p, softmax, exponential race).
+top_k/top_p, the race's Philox noise in torch ops: ops.gumbel_argmax_reference;
+before 2026-12-03 the torch path drew its noise with exponential_).
 
   PYTHONPATH=python python tools/benchmarks/bench_sampling.py [--vocab 151936] [--output-json out.json]
 """
@@ -13,7 +14,7 @@ import torch
 from bench_ops import median_ms
 
 from pagoda import ops
-from pagoda.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p, exponential_race
+from pagoda.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
 
 KNOBS = {
     "temperature": dict(),
@@ -22,13 +23,13 @@ KNOBS = {
 }
 
 
-def torch_path(logits, temperature, top_k, top_p, min_p):
+def torch_path(logits, temperature, seeds, offsets, top_k, top_p, min_p):
     scaled = logits / temperature[:, None]
     if min_p is not None:
         apply_min_p(scaled, min_p)
     if top_k is not None or top_p is not None:
         apply_top_k_top_p(scaled, top_k, top_p)
-    return exponential_race(torch.softmax(scaled, dim=-1), {})
+    return ops.gumbel_argmax_reference(scaled, seeds, offsets)
 
 
 def main() -> None:
@@ -49,7 +50,7 @@ def main() -> None:
             }
             filters = dict(top_k=per_row.get("top_k"), top_p=per_row.get("top_p"), min_p=per_row.get("min_p"))
             kernel_ms = median_ms(lambda: ops.sample(logits, temperature, seeds, offsets, **filters))
-            torch_ms = median_ms(lambda: torch_path(logits, temperature, **filters))
+            torch_ms = median_ms(lambda: torch_path(logits, temperature, seeds, offsets, **filters))
             rows.append(dict(batch=batch, knobs=name, kernel_us=kernel_ms * 1e3, torch_us=torch_ms * 1e3))
     print(f"{torch.cuda.get_device_name()}  vocab {args.vocab}, fp32 logits")
     print(f"{'batch':>6}  {'knobs':<24}{'kernel us':>10}{'torch us':>10}{'speedup':>9}")

@@ -6,7 +6,8 @@ reuses it.
 Prefix caching (vLLM v1's design): a full block gets a hash chained from its
 parent's, so one hash names a whole prefix. Cached blocks stay in the free
 queue, hash and all, when no request references them; they are forgotten only
-when allocate() takes them for new tokens, least recently freed first.
+when allocate() takes them for new tokens, least recently freed first, after
+the free blocks that hold no hash.
 
 The scheduler's KVCacheManager is the only user; the model runner sees block ids
 only through the scheduler's output.
@@ -42,7 +43,8 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Free blocks, least recently freed first."""
+    """Free blocks in the order allocate() takes them (BlockPool.free decides
+    which end a block joins)."""
 
     def __init__(self, blocks: list[KVCacheBlock]):
         self.num_free = len(blocks)
@@ -68,9 +70,15 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, previous: KVCacheBlock, block: KVCacheBlock) -> None:
+        following = previous.next_free
+        previous.next_free, block.prev_free = block, previous
+        block.next_free, following.prev_free = following, block
         self.num_free += 1
 
     def block_ids(self) -> list[int]:
@@ -135,11 +143,18 @@ class BlockPool:
                 self.cached_block_hash_to_block[block_hash] = block
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
-        """Drops one reference from each block; unreferenced blocks become free
-        (cached ones keep their hash until allocate() reuses them)."""
+        """Drops one reference from each block; unreferenced blocks become free.
+        Cached ones keep their hash until allocate() reuses them, least
+        recently freed first; a block without a hash has nothing to keep and
+        is reused before them, most recently freed first: its memory is
+        already touched (a run that needs N blocks at a time stays within N
+        blocks' pages instead of walking the whole cache) and warm."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"KV cache block {block.block_id} freed twice")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)

@@ -6,30 +6,29 @@ Order of processing (vLLM v1's):
   -> the grammar's bitmask (structured outputs) -> logit_bias, min_tokens
      (EOS/stop ids masked), penalties
   -> greedy rows: argmax here
-  -> temperature -> min_p -> top_k -> top_p -> softmax -> exponential race.
+  -> temperature -> min_p -> top_k -> top_p -> exponential race (in its
+     Gumbel-max form over the logits: no softmax).
 
 Logprobs are "raw" (vLLM's default logprobs mode): they describe the model's
 distribution, not the one after penalties, temperature or truncation, so they
 do not depend on sampling knobs and the chosen token may have any rank.
 
-Randomness: a row whose request has a seed draws its noise from that request's
-own torch.Generator, exactly one draw of V exponentials per sampled token, so
-the tokens do not depend on which other requests share the batch or on the
-row's position. Unseeded rows share one draw (the global RNG, or
-`SamplingMetadata.generator`). The engine must only pass rows that really
-sample this step (not partial prefill chunks), or seeded streams drift.
+Randomness: the race's noise for token i of a row is Philox keyed by (seed,
+offset, i) (ops.sample_gumbel): the seed is the request's (its generator's
+initial_seed()) or, for unseeded rows, a fresh one drawn each step from
+`SamplingMetadata.generator` (else torch's global CPU RNG); the offset is the
+number of tokens the row has generated. So a seeded request's tokens do not
+depend on which other requests share the batch or on the row's position, and
+the CPU (ops.gumbel_argmax) and the GPU draw the same stream for one seed. The
+engine must only pass rows that really sample this step (not partial prefill
+chunks), and num_output_tokens must count every token a row generated.
 
 On CUDA, when the compiled op is loaded, temperature -> min_p -> top_k ->
 top_p -> race run in one kernel (ops.sample, cuda/sampling.cu): the same
-filters, found without a vocabulary sort, and counter-based noise instead of
-torch generators. Token i's noise is Philox keyed by (seed, offset, i): the
-seed is the request's (its generator's initial_seed()) or, for unseeded rows,
-a fresh one drawn each step from `SamplingMetadata.generator` (else torch's
-global CPU RNG); the offset is the number of tokens the row has generated. So
-the GPU and the CPU draw different streams for one seed, each reproducible,
-and on the GPU too a seeded request's tokens do not depend on its batch. (Where
-tokens tie with the least likely one top_p keeps, the GPU keeps them all; the
-sort keeps an arbitrary subset.)
+filters, found without a vocabulary sort. (Where tokens tie with the least
+likely one top_p keeps, the GPU keeps them all; the sort keeps an arbitrary
+subset.) Elsewhere the filters are torch ops and the race is ops.gumbel_argmax
+(the CPU kernel) or, without it, its torch reference.
 """
 
 from __future__ import annotations
@@ -219,14 +218,17 @@ class Sampler(nn.Module):
             apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = exponential_race(probs, md.generators, md.generator)
+        seeds, offsets = race_keys(md, logits.shape[0])
+        if logits.device.type == "cpu" and seeds.device.type == "cpu" and _native.has_kernel("gumbel_argmax", "cpu"):
+            sampled = ops.gumbel_argmax(logits, seeds, offsets)
+        else:
+            sampled = ops.gumbel_argmax_reference(logits, seeds.to(logits.device), offsets.to(logits.device))
         return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
 
 
-def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """ops.sample over all rows; seeds and offsets as the module docstring says."""
-    n = logits.shape[0]
+def race_keys(md: SamplingMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the race noise's seed and offset (int64; the seeds on the
+    generator's device), as the module docstring says."""
     gen = md.generator
     if len(md.generators) < n:  # one draw per step serves every unseeded row
         seeds = torch.randint(0, 2**63 - 1, (n,), dtype=torch.int64, generator=gen,
@@ -234,11 +236,17 @@ def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     else:
         seeds = torch.zeros(n, dtype=torch.int64)
     if md.generators:
-        # initial_seed() is a uint64; the kernel takes its bits as an int64.
+        # initial_seed() is a uint64; the kernels take its bits as an int64.
         own = [g.initial_seed() for g in md.generators.values()]
         seeds[list(md.generators)] = torch.tensor([s - 2**64 if s >= 2**63 else s for s in own],
                                                   dtype=torch.int64, device=seeds.device)
     offsets = torch.tensor(list(md.num_output_tokens) if md.num_output_tokens else [0] * n, dtype=torch.int64)
+    return seeds, offsets
+
+
+def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """ops.sample over all rows; seeds and offsets as the module docstring says."""
+    seeds, offsets = race_keys(md, logits.shape[0])
 
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else to_device(t, t.dtype, logits.device)
@@ -331,20 +339,6 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     if md.presence_penalties is not None:
         logits.sub_(md.frequency_penalties.unsqueeze(1) * out_counts)
         logits.sub_(md.presence_penalties.unsqueeze(1) * (out_counts > 0))
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     generator: torch.Generator | None = None) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i
-    (equivalent to Gumbel-max), with no CDF search."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_(generator=generator)
-    for row, gen in generators.items():  # per-request streams: one draw per token
-        noise[row].exponential_(generator=gen)
-    # A zero draw would make 0/0 = NaN for a masked token, and argmax picks NaN.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
 
 
 def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor,

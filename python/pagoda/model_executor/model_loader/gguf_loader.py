@@ -14,7 +14,7 @@ whole dequantization, acceptable for the small quantized models GGUF carries.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -125,37 +125,68 @@ def gguf_weights_iterator(
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     keep_packed = _packable(reader) if packed else set()
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            # Llama 3.1's rope scaling as per-frequency divisors; our RoPE
-            # computes them from the config, which must then say llama3.
-            _, scaling, _ = rope_parameters_from_config(hf_config)
-            if not scaling or scaling.get("rope_type") != "llama3":
-                raise ValueError(
-                    f"{path} carries rope_freqs (Llama 3.1 rope scaling) but the config has no llama3 rope "
-                    "scaling; pass a config with rope_scaling={'rope_type': 'llama3', ...}"
-                )
-            continue
-        name = gguf_to_hf_name(tensor.name)
-        # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tensor.name in keep_packed:
-            blocks = torch.tensor(tensor.data)  # uint8 [rows, row bytes], a copy of the read-only map
-            if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-                blocks = unpermute_qk(blocks, num_heads if ".attn_q." in tensor.name else num_kv_heads)
-            yield name, PackedWeight(blocks, PACKED_TYPES[tensor.tensor_type.name], shape)
-            continue
-        try:
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 numpy
-        except NotImplementedError:
+    # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
+    tensors = [_TensorInfo(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data.dtype,
+                           t.data.shape, t.data_offset) for t in reader.tensors]
+    # The reader's parsed metadata (for SmolLM2 its tokenizer's 49k tokens and
+    # merges, about 160 MB of numpy objects) goes before the weights come, and
+    # each tensor is read from the file into memory of its own rather than
+    # copied out of the reader's map: the map's pages would count too.
+    del reader
+    with open(path, "rb") as file:
+        for tensor in tensors:
+            yield from _load_tensor(file, tensor, hf_config, arch, num_heads, num_kv_heads, dtype,
+                                    tensor.name in keep_packed)
+
+
+class _TensorInfo(NamedTuple):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    item_dtype: np.dtype  # as GGUFReader gives tensor.data: uint8 blocks for the quantized types
+    item_shape: tuple[int, ...]
+    offset: int  # of its data in the file
+
+
+def _read(file, tensor: _TensorInfo) -> np.ndarray:
+    """The tensor's bytes (GGUFReader has checked that the file holds them)."""
+    data = np.empty(tensor.item_shape, dtype=tensor.item_dtype)
+    file.seek(tensor.offset)
+    file.readinto(memoryview(data).cast("B"))
+    return data
+
+
+def _load_tensor(file, tensor: _TensorInfo, hf_config, arch: str, num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype, packed: bool) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    import gguf
+
+    if tensor.name == "rope_freqs.weight":
+        # Llama 3.1's rope scaling as per-frequency divisors; our RoPE
+        # computes them from the config, which must then say llama3.
+        _, scaling, _ = rope_parameters_from_config(hf_config)
+        if not scaling or scaling.get("rope_type") != "llama3":
             raise ValueError(
-                f"GGUF tensor {tensor.name!r} uses quantization type {tensor.tensor_type.name}, "
-                "which cannot be dequantized"
-            ) from None
-        data = np.asarray(data, dtype=np.float32).reshape(shape)
-        if not data.flags.writeable:  # F32 tensors come back as views of the read-only file map
-            data = data.copy()
-        weight = torch.from_numpy(data)
-        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            weight = unpermute_qk(weight, num_heads if ".attn_q." in tensor.name else num_kv_heads)
-        yield name, weight.to(dtype)
+                f"{file.name} carries rope_freqs (Llama 3.1 rope scaling) but the config has no llama3 rope "
+                "scaling; pass a config with rope_scaling={'rope_type': 'llama3', ...}"
+            )
+        return
+    name = gguf_to_hf_name(tensor.name)
+    is_qk = arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name)
+    heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
+    if packed:
+        blocks = torch.from_numpy(_read(file, tensor))  # uint8 [rows, row bytes]
+        if is_qk:
+            blocks = unpermute_qk(blocks, heads)
+        yield name, PackedWeight(blocks, PACKED_TYPES[tensor.tensor_type.name], tensor.shape)
+        return
+    try:
+        data = gguf.quants.dequantize(_read(file, tensor), tensor.tensor_type)  # float32 numpy
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} uses quantization type {tensor.tensor_type.name}, "
+            "which cannot be dequantized"
+        ) from None
+    weight = torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(tensor.shape))
+    if is_qk:
+        weight = unpermute_qk(weight, heads)
+    yield name, weight.to(dtype)
