@@ -126,12 +126,17 @@ def test_fp8_greedy_follows_bf16():
     assert weights["model.layers.0.self_attn.qkv_proj.weight"] == torch.float8_e4m3fn
     assert weights["model.layers.29.mlp.down_proj.weight"] == torch.float8_e4m3fn
     assert weights["model.embed_tokens.weight"] == torch.bfloat16  # the embedding and the tied LM head stay
+    assert min(chat_drifts(fp8, bf16, FP8_TOKENS, FP8_NEAR_TIE, FP8_MAX_DRIFT)) > 0.1
+
+
+def chat_drifts(got: LLM, want: LLM, max_tokens: int, near_tie: float, max_drift: float) -> list[float]:
+    """Greedy chats of PROMPTS on both engines, held to agree up to a near
+    tie; each prompt's mean logprob drift."""
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=FP8_TOKENS, ignore_eos=True, logprobs=TOP_K, prompt_logprobs=0)
-    drifts = []
-    for got, want in zip(fp8.chat(conversations, params, use_tqdm=False), bf16.chat(conversations, params, use_tqdm=False)):
-        drifts.append(assert_agree_up_to_near_tie(got, want, FP8_NEAR_TIE, FP8_MAX_DRIFT))
-    assert min(drifts) > 0.1
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_K, prompt_logprobs=0)
+    return [assert_agree_up_to_near_tie(a, b, near_tie, max_drift)
+            for a, b in zip(got.chat(conversations, params, use_tqdm=False),
+                            want.chat(conversations, params, use_tqdm=False))]
 
 
 INT8_TOKENS = 32
@@ -152,12 +157,7 @@ def test_gguf_int8_greedy_follows_fp32(llm):
     int8 = LLM(os.path.join(FOLDER, GGUF), quantization="gguf_int8", kv_cache_space=0.25)
     weights = {name: p for name, p in int8.llm_engine.runner.model.named_parameters()}
     assert weights["model.layers.0.mlp.gate_up_proj.weight"].gguf_quantize_input
-    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=INT8_TOKENS, ignore_eos=True, logprobs=TOP_K, prompt_logprobs=0)
-    drifts = []
-    for got, want in zip(int8.chat(conversations, params, use_tqdm=False), llm.chat(conversations, params, use_tqdm=False)):
-        drifts.append(assert_agree_up_to_near_tie(got, want, INT8_NEAR_TIE, INT8_MAX_DRIFT))
-    assert min(drifts) > 0.05
+    assert min(chat_drifts(int8, llm, INT8_TOKENS, INT8_NEAR_TIE, INT8_MAX_DRIFT)) > 0.05
 
 
 def test_gguf_int8_needs_packed_fp32():
