@@ -222,3 +222,21 @@ def test_the_sampler_masks_the_constrained_rows_only(temperature):
     for _ in range(5):
         sampled = Sampler()(logits, md).sampled_token_ids
         assert sampled[0] in allowed[0] and sampled[1] == 7 and sampled[2] == 99, sampled
+
+
+def test_length_bounded_json_strings_refuse_control_characters():
+    """xgrammar writes a string with maxLength as repeats of a class that
+    lets a raw tab in (not JSON); the grammar Pagoda compiles must not."""
+    import xgrammar as xgr
+
+    from pagoda.engine.structured_output import _parse
+
+    vocab = ['{"city": "', "a", "\t", '"}']
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab)).compile_grammar(
+        _parse(("json", json.dumps({"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                    "required": ["city"]})), False))
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_token(0)
+    assert matcher.accept_token(1)
+    assert not matcher.accept_token(2)
+    assert matcher.accept_token(3)

@@ -72,7 +72,7 @@ def _parse(key: tuple[str, str], any_whitespace: bool):
     xgr = _xgrammar()
     kind, spec = key
     if kind == "json":
-        return xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+        return _json_strings_without_controls(xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace))
     if kind == "json_object":  # an object, as OpenAI's json_object promises (xgrammar's builtin allows arrays)
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
     if kind == "regex":
@@ -80,6 +80,21 @@ def _parse(key: tuple[str, str], any_whitespace: bool):
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(spec)
     return xgr.Grammar.from_ebnf(choice_grammar(json.loads(spec)))
+
+
+# xgrammar 0.2.8 writes a string with minLength/maxLength as {m, n} of this
+# class, which lets raw control characters (a tab) into the string: not JSON.
+_LENGTH_CHARACTER = '::= (([^\\"\\\\\\r\\n]))'
+_JSON_STRING_CHARACTER = '::= (([^\\0-\\x1f\\"\\\\]))'
+
+
+def _json_strings_without_controls(grammar):
+    """The grammar with its length-bounded string characters limited to what
+    JSON allows unescaped (an unchanged grammar where there are none)."""
+    text = str(grammar)
+    if _LENGTH_CHARACTER not in text:
+        return grammar
+    return _xgrammar().Grammar.from_ebnf(text.replace(_LENGTH_CHARACTER, _JSON_STRING_CHARACTER))
 
 
 class _LRU(collections.OrderedDict):

@@ -227,7 +227,6 @@ class LlamaModel(nn.Module):
             int8_inputs == {True},
         )
 
-
     @staticmethod
     def _fused_weight_type(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
         """The fused op's type for a linear's weight: its GGUF type when packed
