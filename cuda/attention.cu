@@ -218,17 +218,6 @@ __device__ __forceinline__ void load_stream(uint32_t* w, const void* p) {
   }
 }
 
-// Two e4m3 values (low byte first) as fp16x2 (low half first), exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
-  uint32_t r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
-#else
-  __trap();  // the host refuses a float8 cache below sm_89
-#endif
-  return r;
-}
-
 // Four e4m3 values as two fp16 pairs: bytes 0, 1 -> lo; bytes 2, 3 -> hi.
 __device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo,
                                                   uint32_t& hi) {
@@ -243,23 +232,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& lo,
   lo = hi = 0;
   __trap();  // the host refuses a float8 cache below sm_89
 #endif
-}
-
-// What load_stream<B> gives for a 16-bit cache -- B / 4 words of value
-// pairs -- read from a float8 cache: B / 2 bytes, widened to fp16 pairs.
-template <int B>
-__device__ __forceinline__ void load_stream_e4m3(uint32_t* w, const void* p) {
-  if constexpr (B == 4) {
-    load_stream<2>(w, p);
-    w[0] = e4m3x2_to_f16x2(static_cast<uint16_t>(w[0]));
-  } else {
-    uint32_t raw[B / 8];
-    load_stream<B / 2>(raw, p);
-#pragma unroll
-    for (int i = 0; i < B / 8; ++i) {
-      e4m3x4_to_f16x2x2(raw[i], w[2 * i], w[2 * i + 1]);
-    }
-  }
 }
 
 template <int B>
@@ -409,6 +381,13 @@ __device__ __forceinline__ int load_block_window(const Args& a,
 template <int D>
 constexpr bool kLoadKvTogether = D <= 128;
 
+// A float8 cache's walk loads the next step's keys right after this step's
+// score products, so they are in flight during its softmax and value
+// products; the raw key bytes (widened at their products) take the registers
+// the widened keys took.
+template <int D, bool Fp8>
+constexpr bool kPrefetchKeys = Fp8 && kLoadKvTogether<D>;
+
 // Resident CTAs per multiprocessor the registers must allow: 4 x 4 warps
 // (<= 128 registers a thread) up to head size 128; head size 256 holds twice
 // the accumulators and rows, and gets half as many.
@@ -441,28 +420,14 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
   const int32_t* table =
       a.block_tables + static_cast<int64_t>(it.seq) * a.block_tables_stride;
   const int blocks_used = static_cast<int>(ceil_div(it.kv_len, bs));
-  int block_idx = k_begin / bs;  // block of the step's first key
+  int block_idx = k_begin / bs;  // block of the next step's first key
   int offset = k_begin - block_idx * bs;
   int window_base = block_idx;
   int window = k_begin < k_end ? load_block_window(a, table, window_base,
                                                    blocks_used, lane)
                                : 0;
-
-  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
-  const C* key_cache =
-      static_cast<const C*>(a.key_cache) + static_cast<int64_t>(it.kv_head) * D;
-  const C* value_cache = static_cast<const C*>(a.value_cache) +
-                         static_cast<int64_t>(it.kv_head) * D;
-  // `bytes`: the chunk's size at 16 bits a value.
-  auto load_chunk = [](auto bytes, uint32_t* w, const C* p) {
-    if constexpr (Fp8) {
-      load_stream_e4m3<decltype(bytes)::value>(w, p);
-    } else {
-      load_stream<decltype(bytes)::value>(w, p);
-    }
-  };
-
-  for (int k = k_begin; k < k_end; k += 16) {
+  // The cache row of the next step's first key; moves on to the step after.
+  auto next_step_row = [&]() {
     // The step's 16 keys lie in one block (block_size % 16 == 0).
     if (block_idx - window_base >= 32) {
       window_base = block_idx;
@@ -470,47 +435,91 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     }
     const int block = __shfl_sync(0xffffffffu, window, block_idx - window_base);
     const int64_t row0 = static_cast<int64_t>(block) * bs + offset;
-    // Keys past the range are masked; their rows are read from the last valid
-    // key so that every load stays inside real data.
-    const int last = k_end - 1 - k;
-    auto row_ptr = [&](const C* cache, int j) {
-      return cache + (row0 + min(j, last)) * kv_row;
-    };
+    offset += 16;
+    if (offset == bs) {
+      offset = 0;
+      ++block_idx;
+    }
+    return row0;
+  };
 
-    uint32_t kw[2][L::kQkWords];  // key rows k + g and k + g + 8
-    // Value rows k + 2t, +1, +8, +9: 16-bit pairs, or for a float8 cache the
-    // raw bytes (widened after pairing the rows, below: fewer instructions).
-    uint32_t vw[4][Fp8 ? (L::kTiles + 1) / 2 : L::kTiles];
+  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
+  const C* key_cache =
+      static_cast<const C*>(a.key_cache) + static_cast<int64_t>(it.kv_head) * D;
+  const C* value_cache = static_cast<const C*>(a.value_cache) +
+                         static_cast<int64_t>(it.kv_head) * D;
+  // Row j of the step at key k whose first row is row0. Keys past the range
+  // are masked; their rows are read from the last valid key so that every
+  // load stays inside real data.
+  auto row_ptr = [&](const C* cache, int64_t row0, int k, int j) {
+    return cache + (row0 + min(j, k_end - 1 - k)) * kv_row;
+  };
+  // Raw rows of a step, as load_stream gives them: 16-bit pairs, or for a
+  // float8 cache the bytes (widened at their products: fewer registers, and
+  // for values fewer instructions once two keys' bytes are paired).
+  constexpr int kKeyWords = Fp8 ? L::kQkWords / 2 : L::kQkWords;
+  constexpr int kValueWords = Fp8 ? (L::kTiles + 1) / 2 : L::kTiles;
+  // Key rows k + g and k + g + 8.
+  auto load_keys = [&](uint32_t (&kw)[2][kKeyWords], int64_t row0, int k) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const C* p = row_ptr(key_cache, g + 8 * r);
+      const C* p = row_ptr(key_cache, row0, k, g + 8 * r);
       for_qk_chunks<D, Fp8>(t, [&](auto bytes, int dim, int word) {
-        load_chunk(bytes, kw[r] + word, p + dim);
+        constexpr int B = decltype(bytes)::value;
+        load_stream<Fp8 ? B / 2 : B>(kw[r] + (Fp8 ? word / 2 : word), p + dim);
       });
     }
-    auto load_values = [&]() {
+  };
+  // Value rows k + 2t, +1, +8, +9.
+  auto load_values = [&](uint32_t (&vw)[4][kValueWords], int64_t row0, int k) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const C* p = row_ptr(value_cache, 2 * t + (r & 1) + 8 * (r >> 1));
-        for_pv_chunks<D, Fp8>(g, [&](auto bytes, int dim, int word) {
-          constexpr int B = decltype(bytes)::value;
-          if constexpr (Fp8) {
-            load_stream<B / 2>(vw[r] + word / 2, p + dim);
-          } else {
-            load_stream<B>(vw[r] + word, p + dim);
-          }
-        });
-      }
-    };
-    if constexpr (kLoadKvTogether<D>) load_values();
+    for (int r = 0; r < 4; ++r) {
+      const C* p = row_ptr(value_cache, row0, k, 2 * t + (r & 1) + 8 * (r >> 1));
+      for_pv_chunks<D, Fp8>(g, [&](auto bytes, int dim, int word) {
+        constexpr int B = decltype(bytes)::value;
+        load_stream<Fp8 ? B / 2 : B>(vw[r] + (Fp8 ? word / 2 : word), p + dim);
+      });
+    }
+  };
+
+  uint32_t kw[2][kKeyWords];
+  int64_t row0 = 0;  // the first row of the step whose keys kw holds
+  if (kPrefetchKeys<D, Fp8> && k_begin < k_end) {
+    row0 = next_step_row();
+    load_keys(kw, row0, k_begin);
+  }
+  for (int k = k_begin; k < k_end; k += 16) {
+    if constexpr (!kPrefetchKeys<D, Fp8>) {
+      row0 = next_step_row();
+      load_keys(kw, row0, k);
+    }
+    const int64_t step_row0 = row0;
+    uint32_t vw[4][kValueWords];
+    if constexpr (kLoadKvTogether<D>) load_values(vw, step_row0, k);
+    const int last = k_end - 1 - k;
 
     // S^T = K Q^T: s[0], s[1]: key k + g, heads 2t, 2t + 1; s[2], s[3]: key
     // k + g + 8.
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < L::kTiles; ++i) {
-      mma<M>(s, kw[0][2 * i], kw[1][2 * i], kw[0][2 * i + 1],
-             kw[1][2 * i + 1], q[2 * i], q[2 * i + 1]);
+      uint32_t k0lo, k0hi, k1lo, k1hi;  // words 2i, 2i + 1 of both rows
+      if constexpr (Fp8) {  // raw word i holds the dims of both
+        e4m3x4_to_f16x2x2(kw[0][i], k0lo, k0hi);
+        e4m3x4_to_f16x2x2(kw[1][i], k1lo, k1hi);
+      } else {
+        k0lo = kw[0][2 * i];
+        k0hi = kw[0][2 * i + 1];
+        k1lo = kw[1][2 * i];
+        k1hi = kw[1][2 * i + 1];
+      }
+      mma<M>(s, k0lo, k1lo, k0hi, k1hi, q[2 * i], q[2 * i + 1]);
+    }
+    if constexpr (kPrefetchKeys<D, Fp8>) {
+      if (k + 16 < k_end) {
+        row0 = next_step_row();
+        load_keys(kw, row0, k + 16);
+      }
     }
     const bool valid0 = g <= last, valid1 = g + 8 <= last;
     s[0] = valid0 ? s[0] * a.scale_log2 : -INFINITY;
@@ -550,7 +559,7 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
     const uint32_t pb0 = transpose8x8(pack2<M>(p0, p1));
     const uint32_t pb1 = transpose8x8(pack2<M>(p2, p3));
 
-    if constexpr (!kLoadKvTogether<D>) load_values();
+    if constexpr (!kLoadKvTogether<D>) load_values(vw, step_row0, k);
     // V^T tiles: row g / g + 8 = the low / high dim of word i, columns = keys.
 #pragma unroll
     for (int i = 0; i < L::kTiles; ++i) {
@@ -569,12 +578,6 @@ __device__ __forceinline__ void mma_attend(const Args& a, const Item& it,
         a[3] = __byte_perm(vw[2][i], vw[3][i], 0x7632);
       }
       mma<M>(acc[i], a[0], a[1], a[2], a[3], pb0, pb1);
-    }
-
-    offset += 16;
-    if (offset == bs) {
-      offset = 0;
-      ++block_idx;
     }
   }
 
