@@ -151,7 +151,7 @@ class ModelConfig:
 
     def _load_hf_config(self):
         if self.gguf_file:
-            from pagoda.model_executor.model_loader.gguf_config import load_gguf_config
+            from pagoda.transformers_utils.gguf_config import load_gguf_config
 
             return load_gguf_config(self.folder / self.gguf_file)
         from transformers import AutoConfig

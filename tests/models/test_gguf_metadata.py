@@ -21,10 +21,10 @@ from checkpoints import QWEN3_TOKENIZER
 
 from pagoda.config import ModelConfig
 from pagoda.engine.processor import load_tokenizer
-from pagoda.model_executor.model_loader.gguf_config import load_gguf_config
+from pagoda.transformers_utils.gguf_config import load_gguf_config
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
-from pagoda.model_executor.model_loader.gguf_reader import read_gguf_header
-from pagoda.model_executor.model_loader.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer
+from pagoda.transformers_utils.gguf_reader import read_gguf_header
+from pagoda.transformers_utils.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer
 
 CORPUS = [
     "Hello world! What is the capital of France?",

@@ -4,7 +4,7 @@ the block formats our CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 kept as they are in the file, as PackedWeight rows of blocks.
 
 The config and tokenizer of a GGUF model come from the file's metadata
-(gguf_config.py, gguf_tokenizer.py); the tensor table from gguf_reader.py.
+(pagoda/transformers_utils), the tensor table from its gguf_reader.
 
 Under tensor parallelism every rank reads and dequantizes whole tensors and
 the weight_loaders narrow them to the rank's slice: each rank pays for the
@@ -22,7 +22,7 @@ import torch
 from pagoda import ops
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
-from pagoda.model_executor.model_loader.gguf_reader import read_gguf_header
+from pagoda.transformers_utils.gguf_reader import read_gguf_header
 from pagoda.model_executor.weight_utils import PackedWeight
 
 logger = init_logger(__name__)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagoda.heap import return_freed_heap
 from pagoda.logger import init_logger
-from pagoda.model_executor.model_loader.gguf_reader import GGUFHeader, read_gguf_header
+from pagoda.transformers_utils.gguf_reader import GGUFHeader, read_gguf_header
 
 logger = init_logger(__name__)
 
@@ -145,4 +146,8 @@ def load_gguf_tokenizer(path: str | Path, hf_config):
     settings = tokenizer_settings(header)
     del header  # the token and merge lists, before the class copies the backend
     cls = TOKENIZER_MAPPING.get(type(hf_config), TokenizersBackend)
-    return cls(tokenizer_object=backend, name_or_path=str(path.parent), **settings)
+    tokenizer = cls(tokenizer_object=backend, name_or_path=str(path.parent), **settings)
+    del backend  # the class keeps a copy
+    return_freed_heap()
+    return tokenizer
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagoda.model_executor.model_loader.gguf_reader import GGUFHeader, read_gguf_header
+from pagoda.transformers_utils.gguf_reader import GGUFHeader, read_gguf_header
 
 # llama.cpp's "<architecture>.<key>" -> the transformers config field.
 _ARCH_KEYS = {
