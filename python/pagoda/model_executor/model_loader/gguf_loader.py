@@ -22,8 +22,8 @@ import torch
 from pagoda import ops
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
-from pagoda.transformers_utils.gguf_reader import read_gguf_header
 from pagoda.model_executor.weight_utils import PackedWeight
+from pagoda.transformers_utils.gguf_reader import read_gguf_header
 
 logger = init_logger(__name__)
 
