@@ -150,10 +150,12 @@ class ModelConfig:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
     def _load_hf_config(self):
+        if self.gguf_file:
+            from pagoda.transformers_utils.gguf_config import load_gguf_config
+
+            return load_gguf_config(self.folder / self.gguf_file)
         from transformers import AutoConfig
 
-        if self.gguf_file:
-            return AutoConfig.from_pretrained(self.folder, gguf_file=self.gguf_file)
         return AutoConfig.from_pretrained(self.folder)
 
     def _resolve_dtype(self) -> torch.dtype:

@@ -35,7 +35,9 @@ def load_tokenizer(model_config: ModelConfig):
     if model_config.tokenizer is not None:
         return AutoTokenizer.from_pretrained(model_config.tokenizer)
     if model_config.gguf_file:
-        return AutoTokenizer.from_pretrained(model_config.folder, gguf_file=model_config.gguf_file)
+        from pagoda.transformers_utils.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_config.folder / model_config.gguf_file, model_config.hf_config)
     return AutoTokenizer.from_pretrained(model_config.folder)
 
 

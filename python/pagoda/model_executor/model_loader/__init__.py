@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_size
+from pagoda.heap import return_freed_heap
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.fp8 import ALIGNMENT, quantize_linear_weights
 from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_weights
@@ -91,4 +92,5 @@ def get_model(
         quantized, kept = quantize_linear_weights(instance)
         logger.info("FP8 weights: %d linear layers quantized%s", quantized,
                     f", {kept} kept in {dtype} (dimensions not multiples of {ALIGNMENT})" if kept else "")
+    return_freed_heap()  # the weights' temporaries
     return instance.eval().requires_grad_(False)

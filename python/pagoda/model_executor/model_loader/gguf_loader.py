@@ -3,8 +3,8 @@ dequantized one at a time to the model's dtype, or (packed=True) matrices in
 the block formats our CPU kernels multiply (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
 kept as they are in the file, as PackedWeight rows of blocks.
 
-The config (and tokenizer) of a GGUF model come from transformers:
-AutoConfig.from_pretrained(folder, gguf_file=name).
+The config and tokenizer of a GGUF model come from the file's metadata
+(pagoda/transformers_utils), the tensor table from its gguf_reader.
 
 Under tensor parallelism every rank reads and dequantizes whole tensors and
 the weight_loaders narrow them to the rank's slice: each rank pays for the
@@ -23,6 +23,7 @@ from pagoda import ops
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
 from pagoda.model_executor.weight_utils import PackedWeight
+from pagoda.transformers_utils.gguf_reader import read_gguf_header
 
 logger = init_logger(__name__)
 
@@ -75,11 +76,11 @@ PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 _FUSED_PARTS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
-def _packable(reader) -> set[str]:
+def _packable(tensors: list[_TensorInfo]) -> set[str]:
     """Names of the 2-D tensors to keep packed: a packed type whose row length
     is a whole number of its blocks, and the same type as the other parts of
     their fused parameter."""
-    tensors = [t for t in reader.tensors if len(t.shape) == 2]
+    tensors = [t for t in tensors if len(t.shape) == 2]
     types = {t.name: t.tensor_type.name for t in tensors}
     names = set()
     for t in tensors:
@@ -90,9 +91,9 @@ def _packable(reader) -> set[str]:
         # 576 to Q5_0 rather than Q4_K); a file that does not is still read
         # by dequantizing, not handed to the kernels, which refuse it.
         block = ops.GGUF_BLOCKS[PACKED_TYPES[kind]][0]
-        if int(t.shape[0]) % block:
+        if t.shape[1] % block:
             logger.warning("GGUF tensor %s: %s rows of %d weights are not whole blocks of %d: dequantized at load",
-                           t.name, kind, int(t.shape[0]), block)
+                           t.name, kind, t.shape[1], block)
             continue
         names.add(t.name)
     for name in list(names):
@@ -108,31 +109,28 @@ def _packable(reader) -> set[str]:
     return names
 
 
-def _field_str(reader, key: str) -> str:
-    field = reader.fields.get(key)
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-
-
 def gguf_weights_iterator(
     path: str, hf_config, dtype: torch.dtype, packed: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     import gguf  # imported here: only GGUF loading needs it
 
-    reader = gguf.GGUFReader(path)
-    arch = _field_str(reader, "general.architecture")
+    header = read_gguf_header(path)
+    arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} of {path} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    keep_packed = _packable(reader) if packed else set()
-    # GGUF lists dims fastest first (ne0 = columns); torch wants them reversed.
-    tensors = [_TensorInfo(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data.dtype,
-                           t.data.shape, t.data_offset) for t in reader.tensors]
-    # The reader's parsed metadata (for SmolLM2 its tokenizer's 49k tokens and
-    # merges, about 160 MB of numpy objects) goes before the weights come, and
-    # each tensor is read from the file into memory of its own rather than
-    # copied out of the reader's map: the map's pages would count too.
-    del reader
+    tensors = []
+    for t in header.tensors:
+        try:
+            kind = gguf.GGMLQuantizationType(t.ggml_type)
+        except ValueError:
+            raise ValueError(f"GGUF tensor {t.name!r} of {path} has unknown ggml type {t.ggml_type}") from None
+        tensors.append(_TensorInfo(t.name, kind, t.shape, gguf.quant_shape_to_byte_shape(t.shape, kind), t.offset))
+    del header
+    keep_packed = _packable(tensors) if packed else set()
+    # Each tensor is read from the file into memory of its own rather than
+    # viewed through a map of the file, whose touched pages would count too.
     with open(path, "rb") as file:
         for tensor in tensors:
             yield from _load_tensor(file, tensor, hf_config, arch, num_heads, num_kv_heads, dtype,
@@ -143,16 +141,16 @@ class _TensorInfo(NamedTuple):
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
-    item_dtype: np.dtype  # as GGUFReader gives tensor.data: uint8 blocks for the quantized types
-    item_shape: tuple[int, ...]
+    byte_shape: tuple[int, ...]  # its bytes by rows: [rows, row bytes] for the block types
     offset: int  # of its data in the file
 
 
 def _read(file, tensor: _TensorInfo) -> np.ndarray:
-    """The tensor's bytes (GGUFReader has checked that the file holds them)."""
-    data = np.empty(tensor.item_shape, dtype=tensor.item_dtype)
+    """The tensor's bytes, uint8 in byte_shape."""
+    data = np.empty(tensor.byte_shape, dtype=np.uint8)
     file.seek(tensor.offset)
-    file.readinto(memoryview(data).cast("B"))
+    if file.readinto(memoryview(data).cast("B")) != data.nbytes:
+        raise ValueError(f"{file.name}: GGUF tensor {tensor.name!r} runs past the end of the file")
     return data
 
 
