@@ -64,12 +64,17 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& query, const
                "rotary_embedding");
 }
 
+constexpr const char* kMixedCacheOnCpu =
+    "a bfloat16 KV cache beside float32 keys/queries is supported on the CPU only; on CUDA the cache holds the "
+    "model's dtype or float8";
+
 // Slots are not range-checked: that would need a device sync on every call.
 // The kernel skips tokens whose slot is outside the cache instead.
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_cuda(key, "key");
   ReshapeAndCacheArgs a = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK_VALUE(a.kv_fp8 || a.kv_dtype == a.dtype, kMixedCacheOnCpu);
   // The float8 copy converts 16-byte words of 8 values.
   TORCH_CHECK_VALUE(!a.kv_fp8 || (a.key.width % 8 == 0 && a.key.stride % 8 == 0 && a.value.stride % 8 == 0 &&
                                   reinterpret_cast<uintptr_t>(a.key.data) % 16 == 0 &&
@@ -101,6 +106,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   check_cuda(query, "query");
   PagedAttentionArgs a =
       check_paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK_VALUE(a.kv_fp8 || a.kv_dtype == a.dtype, kMixedCacheOnCpu);
   if (a.query.count == 0) return;
   TORCH_CHECK_VALUE(a.num_seqs > 0, "query has ", a.query.count, " tokens but seq_lens is empty");
   TORCH_CHECK_VALUE(a.max_blocks_per_seq > 0 && a.num_blocks > 0, "query has ", a.query.count,

@@ -44,9 +44,11 @@ struct PagedAttentionParams {
   int64_t head_size;
   int64_t block_size;
   float scale;  // softmax(scale * q.k)
-  DType dtype;  // of out, query and (unless kv_fp8) both caches
+  DType dtype;  // of out and query
   // The caches hold float8 e4m3 with unit scale (GPU tensor-core kernel only).
   bool kv_fp8 = false;
+  // Else the caches' dtype: dtype, or bf16 under fp32 queries (CPU only).
+  DType kv_dtype;
 };
 
 }  // namespace pagoda

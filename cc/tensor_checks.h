@@ -321,13 +321,17 @@ inline void check_kv_cache_pair(const at::Tensor& key_cache, const at::Tensor& v
 }
 
 // Whether a KV cache holds float8 e4m3 (unit scale; --kv-cache-dtype fp8):
-// else it must hold `ref`'s dtype. Only bf16/fp16 K/V go to fp8 (the kernels
-// widen it to fp16 for the tensor cores).
+// else it must hold `ref`'s dtype, or bfloat16 beside a float32 `ref`
+// (--kv-cache-dtype bfloat16 under an fp32 model: K/V rounded on the write,
+// widened on the read; CPU kernels only, cc/cuda_ops.cc refuses it). Only
+// bf16/fp16 K/V go to fp8 (the kernels widen it to fp16 for the tensor cores).
 inline bool check_kv_cache_dtype(const at::Tensor& cache, const char* name, const at::Tensor& ref,
                                  const char* ref_name) {
   check_same_device(cache, name, ref, ref_name);
   if (cache.scalar_type() != at::kFloat8_e4m3fn) {
-    check_same_dtype(cache, name, ref, ref_name);
+    if (!(cache.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat)) {
+      check_same_dtype(cache, name, ref, ref_name);
+    }
     return false;
   }
   TORCH_CHECK_TYPE(ref.scalar_type() != at::kFloat, "a float8 ", name, " needs bfloat16 or float16 ", ref_name,
@@ -353,6 +357,7 @@ struct ReshapeAndCacheArgs {
   int64_t num_slots;  // num_blocks * block_size
   DType dtype;        // of key and value
   bool kv_fp8;        // the caches hold float8 e4m3
+  DType kv_dtype;     // the caches' dtype unless kv_fp8: dtype, or bf16 under fp32
 };
 
 inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
@@ -377,7 +382,8 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const 
                              slot_mapping.data_ptr<int64_t>(),
                              key_cache.size(0) * key_cache.size(1),
                              dtype,
-                             kv_fp8};
+                             kv_fp8,
+                             kv_fp8 ? dtype : kernel_dtype(key_cache, "key_cache")};
 }
 
 struct PagedAttentionArgs {
@@ -391,6 +397,7 @@ struct PagedAttentionArgs {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, num_blocks, block_size, max_blocks_per_seq;
   DType dtype;
   bool kv_fp8;
+  DType kv_dtype;  // as ReshapeAndCacheArgs'
 };
 
 inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at::Tensor& query,
@@ -439,7 +446,8 @@ inline PagedAttentionArgs check_paged_attention(const at::Tensor& out, const at:
                             key_cache.size(1),
                             block_tables.size(1),
                             dtype,
-                            kv_fp8};
+                            kv_fp8,
+                            kv_fp8 ? dtype : kernel_dtype(key_cache, "key_cache")};
 }
 
 // What the CPU and GPU kernels take, from checked arguments.
@@ -466,6 +474,7 @@ inline PagedAttentionParams paged_attention_params(const PagedAttentionArgs& a, 
   p.scale = static_cast<float>(scale);
   p.dtype = a.dtype;
   p.kv_fp8 = a.kv_fp8;
+  p.kv_dtype = a.kv_dtype;
   return p;
 }
 

@@ -74,7 +74,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                       " is outside the cache's ", a.num_slots, " slots (num_blocks x block_size)");
   }
   cpu_kernels().reshape_and_cache(a.key.data, a.key.stride, a.value.data, a.value.stride, a.key_cache,
-                                  a.value_cache, a.slot_mapping, a.key.count, a.key.width, a.dtype);
+                                  a.value_cache, a.slot_mapping, a.key.count, a.key.width, a.dtype, a.kv_dtype);
 }
 
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -17,6 +17,8 @@
 //   rotary_embedding: each output rounded once.
 //   paged_attention: softmax and the weighted sum of values in fp32 (q is
 //     converted to fp32 and multiplied by scale first); out rounded once.
+//     The caches hold the query's dtype, or bf16 under fp32 queries (a 16-bit
+//     KV cache for an fp32 model: K/V widened exactly on the read).
 // rms_norm may run in place (out == x with out_stride == x_stride); no other
 // overlap between inputs and outputs is supported.
 #pragma once
@@ -55,12 +57,13 @@
      rows key_stride/value_stride elements apart) goes to row slot_mapping[t]    \
      of key_cache/value_cache ([num_slots, row_width] contiguous, row_width =    \
      num_kv_heads * head_size). Tokens with a negative slot are skipped; slots   \
-     must be < num_slots (the caller checks). */                                 \
+     must be < num_slots (the caller checks). K/V are in dtype, the caches in    \
+     cache_dtype: the same, or bf16 under fp32 (rounded to nearest even). */     \
   void reshape_and_cache(const void* key, int64_t key_stride,                    \
                          const void* value, int64_t value_stride,                \
                          void* key_cache, void* value_cache,                     \
                          const int64_t* slot_mapping, int64_t num_tokens,        \
-                         int64_t row_width, DType dtype);                        \
+                         int64_t row_width, DType dtype, DType cache_dtype);     \
   /* Causal attention of new tokens over a paged KV cache; see                   \
      PagedAttentionParams. */                                                    \
   void paged_attention(const PagedAttentionParams& p);                            \

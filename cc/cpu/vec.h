@@ -377,6 +377,11 @@ inline Vec round_to(Vec a) {
 inline void prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
+// The same into L2 only: for data fetched far ahead, which in L1 would evict
+// the lines in use before it is needed.
+inline void prefetch_l2(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
 
 // ---------------------------------------------------------------------------
 // Transcendentals.

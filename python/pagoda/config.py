@@ -22,9 +22,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float": torch.float32, "half": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "gguf_int8", "fp8", "none")
-# "auto": the model's dtype; "fp8" (= "fp8_e4m3", vLLM's names): float8 e4m3
-# with unit scale, half the bytes a decode step reads.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# "auto": the model's dtype, except bf16 under quantization="gguf_int8"
+# (llama.cpp's way there too: a 16-bit cache; see kv_cache_torch_dtype);
+# "bfloat16": bf16 also under an fp32 model (the CPU's kernels round K/V on
+# the write), half the bytes a decode step reads; "float32": an fp32 model's
+# own dtype, whatever its quantization; "fp8" (= "fp8_e4m3", vLLM's names):
+# float8 e4m3 with unit scale, half again. No "float16": where the model is
+# fp16 "auto" is that, and under fp32 its range (65504) is narrower than the
+# activations' where bf16's is not.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 # Head sizes the GPU tensor-core attention kernel (the one that reads fp8) covers.
 FP8_KV_HEAD_SIZES = (64, 80, 96, 128, 256)
 GiB = 1 << 30
@@ -281,13 +287,29 @@ class CacheConfig:
 
     def kv_cache_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         """The KV cache's element type for this model; ValueError (naming
-        what to change) where the fp8 cache cannot run."""
+        what to change) where the bf16 or fp8 cache cannot run."""
+        dtype, device = model_config.torch_dtype, model_config.device
         if self.kv_cache_dtype == "auto":
-            return model_config.torch_dtype
+            # gguf_int8 trades accuracy for speed as llama.cpp does, whose
+            # cache is 16-bit too: the bf16 cache stays within gguf_int8's
+            # tolerance against fp32 (tests/engine/test_smollm2.py) and makes
+            # a batch-16 decode step's attention 1.3x faster (docs/BENCHMARKS.md).
+            return torch.bfloat16 if model_config.quantization == "gguf_int8" else dtype
         what = f"kv_cache_dtype={self.kv_cache_dtype!r}"
-        if model_config.device.type != "cuda":
-            raise ValueError(f"{what} needs a CUDA GPU (its attention kernels are CUDA's); use 'auto' on {model_config.device}")
-        check_fp8_support(what, model_config.torch_dtype, model_config.device)
+        if self.kv_cache_dtype == "float32":
+            if dtype == torch.float32:
+                return dtype
+            raise ValueError(f"{what} needs a float32 model, this one runs in {str(dtype).removeprefix('torch.')}: "
+                             "use kv_cache_dtype='auto'")
+        if self.kv_cache_dtype == "bfloat16":
+            if dtype == torch.bfloat16 or (dtype == torch.float32 and device.type == "cpu"):
+                return torch.bfloat16
+            raise ValueError(f"{what} needs a bfloat16 model, or a float32 one on the CPU (whose kernels round K/V "
+                             f"to bfloat16); this model runs in {str(dtype).removeprefix('torch.')} on "
+                             f"{device.type}: use kv_cache_dtype='auto'")
+        if device.type != "cuda":
+            raise ValueError(f"{what} needs a CUDA GPU (its attention kernels are CUDA's); use 'auto' on {device}")
+        check_fp8_support(what, dtype, device)
         if self.block_size % 16:
             raise ValueError(f"{what} needs a block_size that is a multiple of 16, got {self.block_size}")
         return torch.float8_e4m3fn  # the model runner checks the head size (FP8_KV_HEAD_SIZES)

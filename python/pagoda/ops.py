@@ -322,13 +322,14 @@ def reshape_and_cache_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns updated copies of (key_cache, value_cache)."""
+    """Returns updated copies of (key_cache, value_cache); K/V rounded to the
+    caches' dtype by torch (a bf16 cache under fp32 K/V)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     new_caches = []
     for new, cache in ((key, key_cache), (value, value_cache)):
         flat = cache.clone().flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
-        flat[slots] = new[keep]
+        flat[slots] = new[keep].to(cache.dtype)
         new_caches.append(flat.view(cache.shape))
     return new_caches[0], new_caches[1]
 

@@ -6,7 +6,7 @@ the decode step time (median over the steps of the timed run, from the
 engine's step calls) and the profiler's table of ops (self CPU time).
 
   PYTHONPATH=python python tools/benchmarks/bench_cpu_step.py [--batch-size 1] [--dtype float32]
-      [--quantization gguf_int8] [--no-enable-prefix-caching]
+      [--quantization gguf_int8] [--kv-cache-dtype bfloat16] [--no-enable-prefix-caching]
 """
 
 import argparse
@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
@@ -34,7 +35,7 @@ def main() -> None:
     from pagoda.sampling_params import SamplingParams
 
     llm = LLM(model=default_model(), dtype=args.dtype, enable_prefix_caching=args.prefix_caching,
-              quantization=args.quantization)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(100, 49000, (args.input_len,), generator=g).tolist()}

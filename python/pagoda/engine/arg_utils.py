@@ -30,7 +30,7 @@ class EngineArgs:
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
-    kv_cache_dtype: str = "auto"  # "fp8": float8 e4m3 KV cache (GPUs of CUDA capability 8.9+)
+    kv_cache_dtype: str = "auto"  # one of config.KV_CACHE_DTYPES
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni", "mp" or "ray"; None: uni for one rank, else mp
     num_gpu_blocks_override: int | None = None

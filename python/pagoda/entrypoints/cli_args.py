@@ -94,8 +94,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--gpu-memory-utilization", type=positive_float,
          help="GPU: share of the device memory for weights and KV cache")
     flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-         help="auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 with unit scale, half the bytes per "
-              "token (GPUs of CUDA capability 8.9+, bfloat16/float16 models)")
+         help="auto: the model's dtype (bfloat16 under --quantization gguf_int8); bfloat16: half an fp32 "
+              "model's bytes per token (CPU; on CUDA bfloat16 models only); float32: an fp32 model's own; "
+              "fp8 (fp8_e4m3): float8 e4m3 with unit scale, half the bytes per token of a 16-bit cache "
+              "(GPUs of CUDA capability 8.9+, bfloat16/float16 models)")
     flag("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     flag("--async-scheduling", action=argparse.BooleanOptionalAction,
          help="queue each step before reading the previous one's tokens, overlapping host and "

@@ -9,7 +9,7 @@ whole batch to the Triton prefill kernel (triton_attention.py).
 
 The model runner owns the caches: it allocates one (key_cache, value_cache)
 pair per layer, each [num_blocks, block_size, num_kv_heads, head_size] in the
-model's dtype, binds them with bind_kv_caches(), and runs the model inside
+KV cache dtype (the model's, or --kv-cache-dtype's), binds them with bind_kv_caches(), and runs the model inside
 set_forward_context(AttentionMetadata(...)).
 
 Under tensor parallelism a layer's num_heads and num_kv_heads are this rank's
