@@ -49,6 +49,8 @@ using vec::Vec;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thread's weight rows
+constexpr int64_t kPanelInputBytes = 256 << 10;  // the int8 path's: quantized input rows, in bytes
+constexpr int64_t kUnpackMinRows = 8;  // the int8 path unpacks Q4 quants once per chunk from this many rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
 
 template <int N>

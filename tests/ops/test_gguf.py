@@ -115,6 +115,16 @@ def test_gguf_linear_int8_panels(name, m, n, k):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_gguf_linear_int8_input_chunks(name):
+    """Input rows in several chunks (the kernel takes 256 KB of quantized
+    input rows at a time: 140 rows of 48 blocks), the last one partial."""
+    weight_type = TYPES[name]
+    weight = ops.gguf_random_blocks(40, 1536, weight_type)
+    x = torch.randn(301, 1536)
+    check(linear(x, weight, weight_type, quantize_input=True), x, weight, weight_type, quantize_input=True)
+
+
+@pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (16, 32), (17, 96), (40, 64), (48, 576)])
 def test_gguf_to_panels(name, n, k):
     """The kernel's in-place repacking is the torch reference's layout, byte
