@@ -50,7 +50,7 @@ using vec::Vec;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thread's weight rows
 constexpr int64_t kPanelInputBytes = 256 << 10;  // the int8 path's: quantized input rows, in bytes
-constexpr int64_t kUnpackMinRows = 8;  // the int8 path unpacks Q4 quants once per chunk from this many rows
+constexpr int64_t kPrepareMinRows = 8;  // the int8 path prepares a tile's weights once per chunk from this many rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
 
 template <int N>
@@ -381,9 +381,9 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// An input block quantized to int8: x ~ d * q; sum = sum(q).
+// An input block quantized to int8: x ~ d * q; sum = sum(q), s = d * sum.
 struct QBlock {
-  float d;
+  float d, s;
   int32_t sum;
   int8_t q[kBlock];
 };
@@ -413,6 +413,7 @@ inline void quantize_block(const float* x, QBlock* out) {
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
   out->sum = _mm_cvtsi128_si32(s4);
+  out->s = out->d * static_cast<float>(out->sum);
 }
 
 // The panel layout of the int8 path (Q4_0, Q4_1, Q8_0), byte for byte the
