@@ -13,7 +13,7 @@ namespace {
   KernelTable {                                                                                           \
     #ns, &ns::rms_norm, &ns::fused_add_rms_norm, &ns::silu_and_mul, &ns::rotary_embedding,                \
         &ns::reshape_and_cache, &ns::paged_attention, &ns::linear, &ns::gguf_linear, &ns::gguf_embedding,        \
-        &ns::gumbel_argmax                                                                                \
+        &ns::gguf_to_panels, &ns::gumbel_argmax                                                             \
   }
 
 // Best first.

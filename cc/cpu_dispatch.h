@@ -24,6 +24,7 @@ struct KernelTable {
   decltype(&avx2::linear) linear;
   decltype(&avx2::gguf_linear) gguf_linear;
   decltype(&avx2::gguf_embedding) gguf_embedding;
+  decltype(&avx2::gguf_to_panels) gguf_to_panels;
   decltype(&avx2::gumbel_argmax) gumbel_argmax;
 };
 

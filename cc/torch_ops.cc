@@ -108,7 +108,8 @@ void gguf_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor&
                             a.K, quantize_input);
 }
 
-void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor& weight, int64_t weight_type) {
+void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor& weight, int64_t weight_type,
+                        bool panels) {
   check_cpu(ids, "ids");
   TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, "ids must be int64, got ", ids.scalar_type());
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
@@ -119,13 +120,24 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
                     "out must have shape ids.shape + [embedding_dim], got ", out.sizes(), " for ids ", ids.sizes());
   Rows out_rows = as_rows(out, "out");
   check_gguf_weight(weight, weight_type, out_rows.width);
+  TORCH_CHECK_VALUE(!panels || gguf_block(weight_type).values == kGgufBlock,
+                    "panels (the int8 path's layout) exist for Q4_0, Q4_1 and Q8_0, not ", gguf_block(weight_type).name);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) {
     TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < weight.size(0), "ids[", i, "] = ", id[i], " is outside the table's [0, ",
                       weight.size(0), ")");
   }
   cpu_kernels().gguf_embedding(static_cast<float*>(out_rows.data), out_rows.stride, id, ids.numel(), weight.data_ptr(),
-                               static_cast<cpu::GgufType>(weight_type), out_rows.width);
+                               static_cast<cpu::GgufType>(weight_type), weight.size(0), out_rows.width, panels);
+}
+
+void gguf_to_panels_cpu(at::Tensor& weight, int64_t weight_type, int64_t in_features) {
+  check_cpu(weight, "weight");
+  check_gguf_weight(weight, weight_type, in_features);
+  TORCH_CHECK_VALUE(gguf_block(weight_type).values == kGgufBlock,
+                    "panels (the int8 path's layout) exist for Q4_0, Q4_1 and Q8_0, not ", gguf_block(weight_type).name);
+  cpu_kernels().gguf_to_panels(weight.data_ptr(), static_cast<cpu::GgufType>(weight_type), weight.size(0),
+                               in_features);
 }
 
 // weight_types' entry for a dense [N, K] weight in the activations' dtype,
@@ -259,7 +271,8 @@ TORCH_LIBRARY(pagoda, m) {
   m.def(
       "gguf_linear(Tensor(a!) out, Tensor input, Tensor weight, int weight_type, Tensor? bias, "
       "bool quantize_input=False) -> ()");
-  m.def("gguf_embedding(Tensor(a!) out, Tensor ids, Tensor weight, int weight_type) -> ()");
+  m.def("gguf_embedding(Tensor(a!) out, Tensor ids, Tensor weight, int weight_type, bool panels=False) -> ()");
+  m.def("gguf_to_panels(Tensor(a!) weight, int weight_type, int in_features) -> ()");
   m.def(
       "llama_decoder_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] weights, "
       "int[] weight_types, Tensor(c!)[] kv_caches, Tensor cos_sin_cache, bool is_neox, Tensor slot_mapping, "
@@ -281,6 +294,7 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("linear", &pagoda::linear_cpu);
   m.impl("gguf_linear", &pagoda::gguf_linear_cpu);
   m.impl("gguf_embedding", &pagoda::gguf_embedding_cpu);
+  m.impl("gguf_to_panels", &pagoda::gguf_to_panels_cpu);
   m.impl("llama_decoder_layers", &pagoda::llama_decoder_layers_cpu);
   m.impl("gumbel_argmax", &pagoda::gumbel_argmax_cpu);
   m.impl("sample", &pagoda::sample_cpu);

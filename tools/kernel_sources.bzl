@@ -20,7 +20,6 @@ CPU_KERNEL_SRCS = [
 ]
 
 CPU_KERNEL_HDRS = [
-    "cc/cpu/gguf_dot.inc",
     "cc/cpu/gguf_panel.inc",
     "cc/cpu/kernels.h",
     "cc/cpu/linear_tiles.inc",

@@ -1,26 +1,28 @@
 // GGUF-packed weights (see cc/cpu/kernels.h): gguf_linear multiplies fp32
-// activations by a weight kept in GGUF's own block layout (no repacking: the
-// bytes of the file, row after row), gguf_embedding dequantizes looked-up rows.
+// activations by a weight kept in GGUF's blocks, gguf_embedding dequantizes
+// looked-up rows.
 //
 // gguf_linear has two ways to multiply a block:
-// - fp32 (the default): the weight block is dequantized in registers to
-//   exactly the fp32 values gguf_dequantize_reference gives (d * q, d * q + m:
-//   an fp16 scale times a small integer is exact in fp32, and the minimum is
-//   added with one rounding), then multiplied with fp32 FMAs. Only the order
-//   of the fp32 sums differs from multiplying the dequantized matrix, while
-//   the weight is read at its packed size: what decode (few rows, bound by
-//   the weight's bytes) wants.
-// - int8 (quantize_input): each input row is quantized per 32-element block
-//   to int8 with one fp32 scale (d = max|x| / 127, q = round(x / d)), then
-//   every block product is an integer dot product of 32 int8 pairs, scaled by
+// - fp32 (the default; the weight as in the file, row after row): the weight
+//   block is dequantized in registers to exactly the fp32 values
+//   gguf_dequantize_reference gives (d * q, d * q + m: an fp16 scale times a
+//   small integer is exact in fp32, and the minimum is added with one
+//   rounding), then multiplied with fp32 FMAs. Only the order of the fp32 sums
+//   differs from multiplying the dequantized matrix, while the weight is read
+//   at its packed size: what decode (few rows, bound by the weight's bytes)
+//   wants.
+// - int8 (quantize_input; the weight in the panel layout below, repacked once
+//   by gguf_to_panels): each input row is quantized per 32-element block to
+//   int8 with one fp32 scale (d = max|x| / 127, q = round(x / d)), then every
+//   block product is an integer dot product of 32 int8 pairs, scaled by
 //   d_weight * d_input and summed in fp32 (llama.cpp's way). Q4_1's per-block
 //   minimum multiplies the quantized block's sum, so the result is exactly
 //   (quantized x) @ (dequantized W): multiplying it by x's exact sum instead
 //   would leave the rounding error of d * q_w (all of one sign, up to 15 d)
 //   rather than of the weight (which straddles 0), about twice the error on
-//   SmolLM2. Blocks are 256 bits, so both builds work on 256-bit vectors; the
-//   AVX-512 build differs in its 32 vector registers and, where the CPU has
-//   AVX512_VNNI (checked at run time), in one vpdpbusd per block.
+//   SmolLM2. The products run in gguf_panel.inc: on AVX512_VNNI (checked at
+//   run time) one vpdpbusd per 4 quants of 16 weight rows, else AVX2's
+//   maddubs on 8 rows.
 //
 // The K-quants (Q4_K, Q6_K) pack 256 values per super-block, with a scale
 // (Q4_K: and a minimum) per sub-block of 32 (Q6_K: of 16) values. They take
@@ -47,10 +49,9 @@ using vec::Vec;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thread's weight rows
+constexpr int64_t kPanelInputBytes = 256 << 10;  // the int8 path's: quantized input rows, in bytes
+constexpr int64_t kPrepareMinRows = 8;  // the int8 path prepares a tile's weights once per chunk from this many rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
-// From this many input rows the int8 path multiplies 16-row panels
-// (gguf_panel.inc) where the CPU has AVX512_VNNI.
-constexpr int64_t kPanelMinRows = 4;
 
 template <int N>
 struct Int {
@@ -373,23 +374,6 @@ struct F32Tile {
 // ---------------------------------------------------------------------------
 // The int8 path.
 
-// One weight block in registers: u = the unsigned operand of the dot product
-// (|q| for the signed formats), q = the signed quants (signed formats only).
-struct Decoded {
-  __m256i u, q;
-  float d, min;
-};
-
-template <GgufType F>
-inline Decoded decode(const uint8_t* block) {
-  Decoded r;
-  r.d = fp16_at(block);
-  r.q = quants<F>(block);
-  r.u = BlockTraits<F>::kSigned ? _mm256_sign_epi8(r.q, r.q) : r.q;
-  r.min = F == GgufType::kQ4_1 ? fp16_at(block + 2) : 0.0f;
-  return r;
-}
-
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -397,16 +381,10 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// An input block quantized to int8: x ~ d * q.
+// An input block quantized to int8: x ~ d * q; sum = sum(q), s = d * sum.
 struct QBlock {
-  float d;
+  float d, s;
+  int32_t sum;
   int8_t q[kBlock];
 };
 
@@ -430,10 +408,74 @@ inline void quantize_block(const float* x, QBlock* out) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q), ordered);
+  const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  out->sum = _mm_cvtsi128_si32(s4);
+  out->s = out->d * static_cast<float>(out->sum);
+}
+
+// The panel layout of the int8 path (Q4_0, Q4_1, Q8_0), byte for byte the
+// size of the file's: each whole group of kPanelRows weight rows becomes one
+// panel, in the same bytes, holding the 16 rows' blocks transposed so that a
+// 512-bit load gives a vector with one row per 32-bit lane:
+//   nb x kVectors vectors of 64 bytes: block b's vector j, lane n = row n's
+//     quant bytes 4j..4j+3 (Q4: packed as in the file, byte i holding
+//     element i in its low nibble and i + 16 in its high one; Q8_0: q + 128,
+//     unsigned);
+//   then nb x 16 fp16 d (block b's at 32 b);
+//   Q4_1: then nb x 16 fp16 minimums m.
+// The rows past the last whole group stay as in the file (the kernel builds
+// their panel per call).
+constexpr int64_t kPanelRows = 16;
+
+template <GgufType F>
+struct PanelLayout {
+  static constexpr int64_t kBlockBytes = BlockTraits<F>::kBytes;
+  static constexpr int kHeadBytes = F == GgufType::kQ4_1 ? 4 : 2;  // d (and m) before the quants
+  static constexpr int kVectors = (kBlockBytes - kHeadBytes) / 4;   // 4 (Q4) or 8 (Q8_0)
+};
+
+// Byte offset within a panel of row n's byte i (< kBlockBytes, in the file's
+// block order) of block b.
+template <GgufType F>
+inline int64_t panel_offset(int64_t nb, int64_t n, int64_t b, int i) {
+  using L = PanelLayout<F>;
+  if (i >= L::kHeadBytes) {
+    const int q = i - L::kHeadBytes;
+    return (b * L::kVectors + q / 4) * 64 + n * 4 + q % 4;
+  }
+  return nb * L::kVectors * 64 + ((i / 2) * nb + b) * 2 * kPanelRows + n * 2 + i % 2;
+}
+
+template <GgufType F>
+inline uint8_t to_panel_byte(int i, uint8_t byte) {
+  return F == GgufType::kQ8_0 && i >= PanelLayout<F>::kHeadBytes ? byte ^ 0x80 : byte;
+}
+
+// `rows` (<= kPanelRows) rows as in the file, row_bytes apart, into one
+// panel; the lanes of missing rows are zero (scale 0).
+template <GgufType F>
+void panel_from_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t nb, uint8_t* panel) {
+  constexpr int64_t kBytes = BlockTraits<F>::kBytes;
+  __builtin_memset(panel, 0, kPanelRows * row_bytes);
+  for (int64_t n = 0; n < rows; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = w + n * row_bytes + b * kBytes;
+      for (int i = 0; i < kBytes; ++i) panel[panel_offset<F>(nb, n, b, i)] = to_panel_byte<F>(i, block[i]);
+    }
+  }
+}
+
+// Row n's block b back in the file's byte order.
+template <GgufType F>
+void block_from_panel(const uint8_t* panel, int64_t nb, int64_t n, int64_t b, uint8_t* block) {
+  for (int i = 0; i < BlockTraits<F>::kBytes; ++i) block[i] = to_panel_byte<F>(i, panel[panel_offset<F>(nb, n, b, i)]);
 }
 
 namespace plain {
-#include "cc/cpu/gguf_dot.inc"
+#include "cc/cpu/gguf_panel.inc"
 }  // namespace plain
 
 #ifdef __AVX512F__
@@ -441,7 +483,6 @@ namespace plain {
 #pragma GCC target("avx512vnni")
 #define PAGODA_GGUF_VNNI
 namespace vnni {
-#include "cc/cpu/gguf_dot.inc"
 #include "cc/cpu/gguf_panel.inc"
 }  // namespace vnni
 #undef PAGODA_GGUF_VNNI
@@ -502,36 +543,23 @@ void multiply(const Tile& tile, float* out, int64_t out_stride, const float* bia
   }
 }
 
-// The int8 path of the 32-value formats.
+// The int8 path of the 32-value formats, W in the panel layout.
 template <GgufType F>
 void gguf_linear_int8(float* out, int64_t out_stride, const float* input, int64_t input_stride,
-                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb,
-                      int64_t row_bytes) {
+                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb) {
   QBlock* x = new QBlock[M * nb];
   vec::parallel_for_rows(M, K, [&](int64_t m) {
     for (int64_t b = 0; b < nb; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nb + b);
   });
 #ifdef __AVX512F__
   static const bool vnni_here = has_vnni();
-  if (vnni_here && M >= kPanelMinRows) {
-    float* sx = new float[M * nb];  // d_x * sum(q_x) per block, for the minimum
-    for (int64_t i = 0; i < M * nb; ++i) {
-      int sum = 0;
-      for (int j = 0; j < kBlock; ++j) sum += x[i].q[j];
-      sx[i] = x[i].d * static_cast<float>(sum);
-    }
-    vnni::multiply_panels<F>(out, out_stride, x, sx, weight, row_bytes, nb, bias, M, N);
-    delete[] sx;
-    delete[] x;
-    return;
-  }
   if (vnni_here) {
-    multiply(vnni::Int8Tile<F>{weight, row_bytes, nb, x}, out, out_stride, bias, M, N, K);
+    vnni::multiply_panels<F>(out, out_stride, x, weight, nb, bias, M, N);
     delete[] x;
     return;
   }
 #endif
-  multiply(plain::Int8Tile<F>{weight, row_bytes, nb, x}, out, out_stride, bias, M, N, K);
+  plain::multiply_panels<F>(out, out_stride, x, weight, nb, bias, M, N);
   delete[] x;
 }
 
@@ -545,21 +573,33 @@ void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_
     return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
   }
   if constexpr (BlockTraits<F>::kValues == kBlock) {
-    gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb, row_bytes);
+    gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb);
   }
 }
 
 template <GgufType F>
 void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int64_t num_ids,
-                         const uint8_t* weight, int64_t K) {
+                         const uint8_t* weight, int64_t N, int64_t K, bool panels) {
+  constexpr int64_t kBytes = BlockTraits<F>::kBytes;
   const int64_t nb = K / BlockTraits<F>::kValues;
-  const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
+  const int64_t row_bytes = nb * kBytes;
   vec::parallel_for_rows(num_ids, K, [&](int64_t i) {
     const uint8_t* row = weight + ids[i] * row_bytes;
+    // A row inside a whole panel: its blocks gathered back into file order.
+    const bool in_panel = panels && ids[i] < N / kPanelRows * kPanelRows;
     float* o = out + i * out_stride;
     for (int64_t b = 0; b < nb; ++b) {
+      uint8_t gathered[kBytes];
+      const uint8_t* bytes = row + b * kBytes;
+      if constexpr (BlockTraits<F>::kValues == kBlock) {
+        if (in_panel) {
+          block_from_panel<F>(weight + ids[i] / kPanelRows * kPanelRows * row_bytes, nb, ids[i] % kPanelRows, b,
+                              gathered);
+          bytes = gathered;
+        }
+      }
       QuantBlock<F> block;
-      block.load(row + b * BlockTraits<F>::kBytes);
+      block.load(bytes);
       for (int s = 0; s < QuantBlock<F>::kSubBlocks; ++s) {
         Vec values[kVecs];
         block.dequantize(s, values);
@@ -568,6 +608,18 @@ void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int
         }
       }
     }
+  });
+}
+
+// W's whole groups of kPanelRows rows, each rewritten in place as a panel.
+template <GgufType F>
+void to_panels(uint8_t* w, int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock, row_bytes = nb * BlockTraits<F>::kBytes, panel_bytes = kPanelRows * row_bytes;
+  vec::parallel_for_rows(N / kPanelRows, panel_bytes, [&](int64_t g) {
+    uint8_t* rows = new uint8_t[panel_bytes];
+    __builtin_memcpy(rows, w + g * panel_bytes, panel_bytes);
+    panel_from_rows<F>(rows, row_bytes, kPanelRows, nb, w + g * panel_bytes);
+    delete[] rows;
   });
 }
 
@@ -597,15 +649,26 @@ void gguf_linear(float* out, int64_t out_stride, const float* input, int64_t inp
 }
 
 void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids, int64_t num_ids, const void* weight,
-                    GgufType type, int64_t K) {
+                    GgufType type, int64_t N, int64_t K, bool panels) {
   if (num_ids <= 0) return;
   const uint8_t* w = static_cast<const uint8_t*>(weight);
   switch (type) {
-    case GgufType::kQ4_0: return gguf_embedding_impl<GgufType::kQ4_0>(out, out_stride, ids, num_ids, w, K);
-    case GgufType::kQ4_1: return gguf_embedding_impl<GgufType::kQ4_1>(out, out_stride, ids, num_ids, w, K);
-    case GgufType::kQ8_0: return gguf_embedding_impl<GgufType::kQ8_0>(out, out_stride, ids, num_ids, w, K);
-    case GgufType::kQ4_K: return gguf_embedding_impl<GgufType::kQ4_K>(out, out_stride, ids, num_ids, w, K);
-    case GgufType::kQ6_K: return gguf_embedding_impl<GgufType::kQ6_K>(out, out_stride, ids, num_ids, w, K);
+    case GgufType::kQ4_0: return gguf_embedding_impl<GgufType::kQ4_0>(out, out_stride, ids, num_ids, w, N, K, panels);
+    case GgufType::kQ4_1: return gguf_embedding_impl<GgufType::kQ4_1>(out, out_stride, ids, num_ids, w, N, K, panels);
+    case GgufType::kQ8_0: return gguf_embedding_impl<GgufType::kQ8_0>(out, out_stride, ids, num_ids, w, N, K, panels);
+    case GgufType::kQ4_K: return gguf_embedding_impl<GgufType::kQ4_K>(out, out_stride, ids, num_ids, w, N, K, panels);
+    case GgufType::kQ6_K: return gguf_embedding_impl<GgufType::kQ6_K>(out, out_stride, ids, num_ids, w, N, K, panels);
+  }
+}
+
+void gguf_to_panels(void* weight, GgufType type, int64_t N, int64_t K) {
+  uint8_t* w = static_cast<uint8_t*>(weight);
+  switch (type) {
+    case GgufType::kQ4_0: return to_panels<GgufType::kQ4_0>(w, N, K);
+    case GgufType::kQ4_1: return to_panels<GgufType::kQ4_1>(w, N, K);
+    case GgufType::kQ8_0: return to_panels<GgufType::kQ8_0>(w, N, K);
+    case GgufType::kQ4_K:
+    case GgufType::kQ6_K: return;  // no int8 path (the caller checks)
   }
 }
 

@@ -78,17 +78,23 @@
      [N, K] in GGUF block layout `type` (N rows of K / B blocks, K a         \
      multiple of B: 32, or 256 for the K-quants), bias [N] fp32 or null;     \
      W's blocks are dequantized in registers and multiplied in fp32, or with \
-     quantize_input (Q4_0, Q4_1, Q8_0 only; the caller checks) the input is  \
-     first quantized to int8 per 32-element block (see cc/cpu/gguf.cc). */   \
+     quantize_input (Q4_0, Q4_1, Q8_0 only; the caller checks) W is in the   \
+     panel layout of gguf_to_panels and the input is first quantized to     \
+     int8 per 32-element block (see cc/cpu/gguf.cc). */                      \
   void gguf_linear(float* out, int64_t out_stride, const float* input,      \
                    int64_t input_stride, const void* weight, GgufType type,  \
                    const float* bias, int64_t M, int64_t N, int64_t K,       \
                    bool quantize_input);                                     \
-  /* out[i] = row ids[i] of W (as above) dequantized to fp32; ids must be    \
-     valid rows (the caller checks). */                                      \
+  /* out[i] = row ids[i] of W (as above; N rows, in the panel layout if      \
+     panels) dequantized to fp32; ids must be valid rows (the caller         \
+     checks). */                                                             \
   void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids,   \
                       int64_t num_ids, const void* weight, GgufType type,    \
-                      int64_t K);                                            \
+                      int64_t N, int64_t K, bool panels);                    \
+  /* W [N, K] (Q4_0, Q4_1, Q8_0; the caller checks) rewritten in place into  \
+     the panel layout that gguf_linear's int8 path reads (same bytes; see    \
+     cc/cpu/gguf.cc). */                                                     \
+  void gguf_to_panels(void* weight, GgufType type, int64_t N, int64_t K);    \
   /* out[r] = argmax_i logits[r][i] + gumbel(seeds[r], offsets[r], i) for    \
      rows of vocab fp32 logits (logits_stride apart): the exponential race   \
      with pagoda::sample's noise stream (see cc/cpu/sampling.cc); NaN wins,  \

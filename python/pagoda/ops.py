@@ -28,6 +28,7 @@ for _name in (
     "linear",
     "gguf_linear",
     "gguf_embedding",
+    "gguf_to_panels",
     "llama_decoder_layers",
     "gumbel_argmax",
     "sample",
@@ -155,19 +156,34 @@ def gguf_linear(
     instead rounds x to int8 per 32-element block (scale max|x| / 127) and
     sums integer block products (llama.cpp's way; gguf_linear_reference with
     quantize_input=True up to the order of sums), for the 32-weight formats
-    only."""
+    only, whose weight must then be in the panel layout (gguf_to_panels)."""
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
     torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias, quantize_input)
     return out
 
 
-def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, weight_type: int, embedding_dim: int) -> torch.Tensor:
-    """Rows ids of a GGUF-packed table (as in gguf_linear), dequantized to fp32:
+def gguf_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, weight_type: int, embedding_dim: int, panels: bool = False
+) -> torch.Tensor:
+    """Rows ids of a GGUF-packed table (as in gguf_linear; panels: in the
+    panel layout of gguf_to_panels), dequantized to fp32:
     [*ids.shape, embedding_dim]; only the looked-up rows are decoded."""
     out = torch.empty(*ids.shape, embedding_dim, dtype=torch.float32, device=ids.device)
-    torch.ops.pagoda.gguf_embedding(out, ids.contiguous(), weight, weight_type)
+    torch.ops.pagoda.gguf_embedding(out, ids.contiguous(), weight, weight_type, panels)
     return out
+
+
+def gguf_to_panels(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+    """Rewrites a Q4_0/Q4_1/Q8_0 weight uint8 [N, row bytes] in place into the
+    panel layout that gguf_linear's int8 path (quantize_input=True) reads:
+    each whole group of 16 rows transposed so that one 512-bit load holds 16
+    rows' quants (the layout: cc/cpu/gguf.cc; gguf_panels_reference), the
+    rows past the last group as they were. Same bytes, so no second copy.
+    Returns weight."""
+    in_features = weight.shape[1] // GGUF_BLOCKS[weight_type][1] * GGUF_BLOCKS[weight_type][0]
+    torch.ops.pagoda.gguf_to_panels(weight, weight_type, in_features)
+    return weight
 
 
 # llama_decoder_layers' weight type of a dense [N, K] weight in the
@@ -207,7 +223,8 @@ def llama_decoder_layers(
     down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down)
     or DENSE_WEIGHT,
     kv_caches = (key cache, value cache). quantize_input: the Q4_0/Q4_1/Q8_0
-    linears multiply inputs rounded to int8 (gguf_linear's).
+    linears multiply inputs rounded to int8 (gguf_linear's; their weights in
+    the panel layout of gguf_to_panels).
     llama_decoder_layers_reference is the same in torch."""
     torch.ops.pagoda.llama_decoder_layers(
         hidden, residual, positions, weights, weight_types, kv_caches, cos_sin_cache, is_neox, slot_mapping,
@@ -444,6 +461,45 @@ def gguf_fp16_offsets(weight_type: int) -> tuple[int, ...]:
     return tuple(offset for offset, _ in _GGUF_FP16_FIELDS[weight_type])
 
 
+def _panel_sources(rows: int, row_bytes: int, weight_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the panel layout of [rows, row_bytes] (the whole 16-row groups'
+    bytes): the index of the file's byte each panel byte holds, and which
+    panel bytes are Q8_0 quants (stored + 128)."""
+    block_bytes = GGUF_BLOCKS[weight_type][1]
+    head = 4 if weight_type == 3 else 2  # the fp16 d (and m) before a block's quants
+    groups, nb = rows // 16, row_bytes // block_bytes
+    source = torch.arange(groups * 16 * row_bytes).reshape(groups, 16, nb, block_bytes)
+    # quants: [group, block, vector j, row, 4 bytes]; fp16s: [group, field, block, row, 2 bytes]
+    vectors = (block_bytes - head) // 4
+    quants = source[..., head:].reshape(groups, 16, nb, vectors, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb * vectors * 64)
+    fp16s = source[..., :head].reshape(groups, 16, nb, head // 2, 2).permute(0, 3, 2, 1, 4).reshape(groups, nb * head * 16)
+    offset = torch.zeros(groups, 16 * row_bytes, dtype=torch.bool)
+    if weight_type == 8:
+        offset[:, : quants.shape[1]] = True
+    return torch.cat([quants, fp16s], dim=1).flatten(), offset.flatten()
+
+
+def gguf_panels_reference(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
+    """gguf_to_panels's result, computed out of place in torch."""
+    rows, row_bytes = weight.shape
+    source, offset = _panel_sources(rows, row_bytes, weight_type)
+    panels = weight.flatten()[source]
+    panels[offset] ^= 0x80
+    return torch.cat([panels, weight[rows // 16 * 16 :].flatten()]).reshape(rows, row_bytes)
+
+
+def gguf_from_panels_reference(panels: torch.Tensor, weight_type: int) -> torch.Tensor:
+    """The file's layout back from the panel layout (gguf_panels_reference's
+    inverse), for the references of the int8 path."""
+    rows, row_bytes = panels.shape
+    source, offset = _panel_sources(rows, row_bytes, weight_type)
+    weight = panels.clone().flatten()
+    stored = panels.flatten()[: source.numel()].clone()
+    stored[offset] ^= 0x80
+    weight[source] = stored
+    return weight.reshape(rows, row_bytes)
+
+
 def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:
     """x (fp32, last dim a multiple of 32) as gguf_linear's kernel sees it:
     each 32-block rounded to d * round(x * (127 / max|x|)), d = max|x| / 127,
@@ -474,8 +530,10 @@ def _layer_linear_reference(
 ) -> torch.Tensor:
     if weight_type == DENSE_WEIGHT:
         return linear_reference(x, weight)
-    int8 = quantize_input and weight_type in GGUF_INT8_TYPES
-    return gguf_linear_reference(x, weight, weight_type, quantize_input=int8)
+    if quantize_input and weight_type in GGUF_INT8_TYPES:  # the int8 path's weights are panels
+        return gguf_linear_reference(x, gguf_from_panels_reference(weight, weight_type), weight_type,
+                                     quantize_input=True)
+    return gguf_linear_reference(x, weight, weight_type)
 
 
 def llama_decoder_layers_reference(

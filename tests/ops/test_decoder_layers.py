@@ -121,6 +121,11 @@ def check_layers(batch, heads, is_neox, types, dtype, quantize_input=False, cach
     weights, weight_types, kv_caches = make_layers(
         num_layers, num_heads, num_kv_heads, head_size, types, num_blocks, dtype, cache_dtype
     )
+    if quantize_input:  # the int8 path's weights are panels, as the loader repacks them
+        linears = [i for i in range(len(weights)) if i % 6 not in (2, 5)]
+        for i, weight_type in zip(linears, weight_types):
+            if weight_type in ops.GGUF_INT8_TYPES:
+                weights[i] = ops.gguf_to_panels(weights[i], weight_type)
     tokens = metadata["positions"].numel()
     hidden, residual = torch.randn(tokens, HIDDEN).to(dtype), torch.randn(tokens, HIDDEN).to(dtype)
     args = dict(

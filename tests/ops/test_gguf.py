@@ -9,7 +9,10 @@ sum |x| |w| (+ |bias|), the worst case of summing K / 8 products per
 vector lane and then the lanes (about 1.5e-5 at K = 1536; a wrong or
 misplaced weight is off by about |w| |x|, a whole term).
 
-int8 (quantize_input=True): the kernel rounds each 32-element block of x to
+int8 (quantize_input=True; the weight in the panel layout of
+ops.gguf_to_panels, checked byte for byte against gguf_panels_reference, and
+multiplied here against the file-layout weight it came from): the kernel
+rounds each 32-element block of x to
 int8 with step d = max|x_block| / 127, so every element moves by at most
 d / 2, and an output moves by at most sum over blocks of d_b / 2 * sum_j
 |w_j|. The tests check that bound per output element, plus fp32 rounding of
@@ -46,6 +49,14 @@ def int8_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) ->
     return quantization + rounding + 1e-6
 
 
+def linear(x, weight, weight_type, bias=None, quantize_input=False):
+    """ops.gguf_linear of the file-layout weight; the int8 path on a copy
+    repacked into panels, as the loader does."""
+    if quantize_input:
+        weight = ops.gguf_to_panels(weight.clone(), weight_type)
+    return ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
+
+
 def check(out, x, weight, weight_type, bias=None, quantize_input=False):
     want = ops.gguf_linear_reference(x, weight, weight_type, bias)
     assert out.shape == want.shape and out.dtype == torch.float32
@@ -70,7 +81,7 @@ def test_gguf_linear(name, m, k, n, quantize_input):
     weight_type = TYPES[name]
     weight = ops.gguf_random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
-    check(ops.gguf_linear(x, weight, weight_type, quantize_input=quantize_input), x, weight, weight_type,
+    check(linear(x, weight, weight_type, quantize_input=quantize_input), x, weight, weight_type,
           quantize_input=quantize_input)
 
 
@@ -83,21 +94,65 @@ def test_gguf_linear_bias_and_odd_rows(name, m, n, quantize_input):
     weight_type = TYPES[name]
     weight = ops.gguf_random_blocks(n, 160, weight_type)
     x, bias = torch.randn(m, 160), torch.randn(n)
-    out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
+    out = linear(x, weight, weight_type, bias, quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
 
 
 @pytest.mark.parametrize("name", TYPES)  # the formats quantize_input takes
-@pytest.mark.parametrize("m", [4, 6, 7, 9])
-@pytest.mark.parametrize("n", [15, 16, 17, 31, 32, 33, 48, 65])
-def test_gguf_linear_int8_panels(name, m, n):
-    """From 4 input rows the int8 path multiplies panels of 16 weight rows,
-    two at a time, 4 input rows per tile (AVX512_VNNI): output rows around
-    the panels and their pairs, input rows around the tile, with a bias."""
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 7, 9, 17])
+@pytest.mark.parametrize("n", [1, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 65])
+@pytest.mark.parametrize("k", [32, 96])
+def test_gguf_linear_int8_panels(name, m, n, k):
+    """The int8 path multiplies units of 16 weight rows (a panel; AVX2: 8,
+    half a panel), two at a time on AVX512_VNNI, 4 input rows per tile; the
+    rows past the last whole panel are built into one per call: output rows
+    around the panels, their halves and pairs, input rows around the tile,
+    one block and three per row, with a bias."""
     weight_type = TYPES[name]
-    weight = ops.gguf_random_blocks(n, 96, weight_type)
-    x, bias = torch.randn(m, 96), torch.randn(n)
-    check(ops.gguf_linear(x, weight, weight_type, bias, quantize_input=True), x, weight, weight_type, bias, True)
+    weight = ops.gguf_random_blocks(n, k, weight_type)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    check(linear(x, weight, weight_type, bias, True), x, weight, weight_type, bias, True)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_linear_int8_input_chunks(name):
+    """Input rows in several chunks (the kernel takes 256 KB of quantized
+    input rows at a time: 140 rows of 48 blocks), the last one partial."""
+    weight_type = TYPES[name]
+    weight = ops.gguf_random_blocks(40, 1536, weight_type)
+    x = torch.randn(301, 1536)
+    check(linear(x, weight, weight_type, quantize_input=True), x, weight, weight_type, quantize_input=True)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (16, 32), (17, 96), (40, 64), (48, 576)])
+def test_gguf_to_panels(name, n, k):
+    """The kernel's in-place repacking is the torch reference's layout, byte
+    for byte, and the reference's inverse gives the file's bytes back."""
+    weight_type = TYPES[name]
+    weight = ops.gguf_random_blocks(n, k, weight_type)
+    panels = ops.gguf_to_panels(weight.clone(), weight_type)
+    assert torch.equal(panels, ops.gguf_panels_reference(weight, weight_type))
+    assert torch.equal(ops.gguf_from_panels_reference(panels, weight_type), weight)
+    if n >= 16:  # the layout moved the bytes
+        assert not torch.equal(panels[:16], weight[:16])
+
+
+def test_gguf_panels_reference_layout():
+    """Spot checks of the layout as cc/cpu/gguf.cc states it, on Q4_1 (d, m)
+    and Q8_0 (quants stored + 128): 17 rows of 2 blocks."""
+    weight = ops.gguf_random_blocks(17, 64, 3)
+    panels = ops.gguf_panels_reference(weight, 3).flatten()
+    blocks = weight.reshape(17, 2, 20)
+    # Block 1's vector 2, lane 5: row 5's quant bytes 8..11 (block bytes 12..15).
+    assert torch.equal(panels[(1 * 4 + 2) * 64 + 5 * 4 :][:4], blocks[5, 1, 12:16])
+    # The fp16 d of row 9, block 1: after the 2 x 4 vectors, at 32 b + 2 n.
+    assert torch.equal(panels[8 * 64 + 32 + 18 :][:2], blocks[9, 1, 0:2])
+    # The minimum m of row 3, block 0: after the 2 blocks' d.
+    assert torch.equal(panels[8 * 64 + 64 + 6 :][:2], blocks[3, 0, 2:4])
+    assert torch.equal(panels[16 * 40 :], weight[16])  # row 16: as in the file
+    q8 = ops.gguf_random_blocks(16, 32, 8)
+    assert torch.equal(ops.gguf_panels_reference(q8, 8).flatten()[7 * 64 + 15 * 4 :][:4], q8[15, 30:34] ^ 0x80)
 
 
 @pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
@@ -107,7 +162,7 @@ def test_gguf_linear_many_rows_and_bias(name, quantize_input):
     weight_type = TYPES[name]
     weight = ops.gguf_random_blocks(9001, 64, weight_type)
     x, bias = torch.randn(3, 64), torch.randn(9001)
-    out = ops.gguf_linear(x, weight, weight_type, bias, quantize_input=quantize_input)
+    out = linear(x, weight, weight_type, bias, quantize_input)
     check(out, x, weight, weight_type, bias, quantize_input)
 
 
@@ -135,7 +190,7 @@ def test_gguf_linear_outliers_and_zeros():
     x[0, :32] = 0
     x[1, 40] = 1e4
     check(ops.gguf_linear(x, weight, 3), x, weight, 3)
-    check(ops.gguf_linear(x, weight, 3, quantize_input=True), x, weight, 3, quantize_input=True)
+    check(linear(x, weight, 3, quantize_input=True), x, weight, 3, quantize_input=True)
 
 
 def test_gguf_linear_strided_and_leading_dims():
@@ -183,6 +238,18 @@ def test_gguf_embedding(name):
     torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"ids\[1\] = 300 is outside the table's \[0, 300\)"):
         ops.gguf_embedding(torch.tensor([1, 300]), weight, weight_type, 96)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gguf_embedding_panels(name):
+    """A table in the panel layout (a tied LM head of the int8 path): rows in
+    whole panels, at their edges, and past the last one (300 = 18 x 16 + 12)."""
+    weight_type = TYPES[name]
+    weight = ops.gguf_random_blocks(300, 96, weight_type)
+    panels = ops.gguf_to_panels(weight.clone(), weight_type)
+    ids = torch.tensor([[0, 299, 7], [15, 16, 287], [288, 150, 1]])
+    out = ops.gguf_embedding(ids, panels, weight_type, 96, panels=True)
+    torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", {**TYPES, **K_QUANTS})
@@ -249,6 +316,10 @@ def test_gguf_linear_k_quants_errors():
         ops.gguf_linear(torch.randn(2, 256), weight, 12)
     with pytest.raises(ValueError, match="quantize_input .* not Q6_K"):
         ops.gguf_linear(torch.randn(2, 512), weight, 14, quantize_input=True)
+    with pytest.raises(ValueError, match="panels .* not Q6_K"):
+        ops.gguf_to_panels(weight, 14)
+    with pytest.raises(ValueError, match="panels .* not Q6_K"):
+        ops.gguf_embedding(torch.tensor([0]), weight, 14, 512, panels=True)
 
 
 def test_gguf_opcheck():
@@ -257,5 +328,6 @@ def test_gguf_opcheck():
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default,
                           (torch.empty(3, 5), torch.randn(3, 64), weight, 8, None, True))
     torch.library.opcheck(torch.ops.pagoda.gguf_embedding.default, (torch.empty(2, 64), torch.tensor([0, 4]), weight, 8))
+    torch.library.opcheck(torch.ops.pagoda.gguf_to_panels.default, (ops.gguf_random_blocks(17, 64, 8), 8, 64))
     k_quant = ops.gguf_random_blocks(5, 256, 12)
     torch.library.opcheck(torch.ops.pagoda.gguf_linear.default, (torch.empty(3, 5), torch.randn(3, 256), k_quant, 12, None))

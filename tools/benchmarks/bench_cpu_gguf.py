@@ -47,6 +47,8 @@ def main() -> None:
                    (gate_up, kind, hidden), (blocks(f"blk.{i}.ffn_down.weight"), kind, down_in)]
     layers.append((blocks("token_embd.weight"), int(tensors["token_embd.weight"].tensor_type), hidden))
     dequantized = [ops.gguf_dequantize_reference(w, kind) for w, kind, _ in layers]
+    # The int8 path reads its weights in the panel layout the loader repacks them into.
+    panels = [ops.gguf_to_panels(w.clone(), kind) if kind in ops.GGUF_INT8_TYPES else w for w, kind, _ in layers]
     print(f"packed {sum(w.numel() for w, _, _ in layers) / 1e6:.1f} MB, "
           f"fp32 {sum(w.numel() * 4 for w in dequantized) / 1e6:.1f} MB, {torch.get_num_threads()} threads, "
           f"kernels {ops._C.cpu_isa()}")
@@ -54,8 +56,8 @@ def main() -> None:
         xs = [torch.randn(rows, k) for _, _, k in layers]
         paths = {
             "packed fp32": lambda: [ops.gguf_linear(x, w, kind) for x, (w, kind, _) in zip(xs, layers)],
-            "packed int8": lambda: [ops.gguf_linear(x, w, kind, quantize_input=True)
-                                    for x, (w, kind, _) in zip(xs, layers)],
+            "packed int8": lambda: [ops.gguf_linear(x, p, kind, quantize_input=True)
+                                    for x, p, (_, kind, _) in zip(xs, panels, layers)],
             "dequant + torch": lambda: [F.linear(x, ops.gguf_embedding(torch.arange(w.shape[0]), w, kind, k))
                                         for x, (w, kind, k) in zip(xs, layers)],
             "fp32 dense": lambda: [dense(x, w) for x, w in zip(xs, dequantized)],

@@ -95,13 +95,16 @@ def pack_parameter(param: nn.Parameter, packed: PackedWeight) -> None:
 
 
 def quantize_packed_inputs(model: nn.Module) -> int:
-    """Marks the packed weights of the 32-value GGUF formats (Q4_0, Q4_1,
-    Q8_0; the K-quants have no int8 kernel) so that dense() has them multiply
-    inputs rounded to int8 per block (gguf_linear's quantize_input). Returns
+    """Repacks the packed weights of the 32-value GGUF formats (Q4_0, Q4_1,
+    Q8_0; the K-quants have no int8 kernel) in place into the int8 path's
+    panel layout (ops.gguf_to_panels) and marks them (gguf_quantize_input) so
+    that dense() has them multiply inputs rounded to int8 per block, and a
+    table among them (a tied embedding) is looked up in that layout. Returns
     how many."""
     marked = 0
-    for param in model.parameters():
+    for param in model.parameters():  # each tensor once, tied ones too
         if getattr(param, "gguf_type", None) in ops.GGUF_INT8_TYPES:
+            ops.gguf_to_panels(param.data, param.gguf_type)
             param.gguf_quantize_input = True
             marked += 1
     return marked

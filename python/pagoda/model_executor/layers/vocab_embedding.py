@@ -58,7 +58,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         gguf_type = getattr(self.weight, "gguf_type", None)
         if gguf_type is not None:  # GGUF blocks (one rank): decode the looked-up rows only
-            return ops.gguf_embedding(input_ids, self.weight, gguf_type, self.embedding_dim)
+            return ops.gguf_embedding(input_ids, self.weight, gguf_type, self.embedding_dim,
+                                      panels=getattr(self.weight, "gguf_quantize_input", False))
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_slice = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
