@@ -88,6 +88,31 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                "reshape_and_cache");
 }
 
+// Positions and slots unchecked, as rotary_embedding_cuda's and
+// reshape_and_cache_cuda's.
+void rope_and_cache_cuda(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
+                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         int64_t head_size, const at::Tensor& cos_sin_cache,
+                         const c10::optional<at::Tensor>& q_norm_weight,
+                         const c10::optional<at::Tensor>& k_norm_weight, bool is_neox, double epsilon) {
+  check_cuda(query, "query");
+  const RopeAndCacheArgs a = check_rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                                                  head_size, cos_sin_cache, q_norm_weight, k_norm_weight);
+  TORCH_CHECK_VALUE(a.cache.kv_fp8 || a.cache.kv_dtype == a.cache.dtype, kMixedCacheOnCpu);
+  TORCH_CHECK_VALUE(head_size <= gpu::kRopeAndCacheMaxHeadSize, "rope_and_cache takes heads of up to ",
+                    gpu::kRopeAndCacheMaxHeadSize, " elements on CUDA, got head_size ", head_size);
+  const RotaryArgs& r = a.rotary;
+  const gpu::RopeAndCacheParams p{r.positions,      r.query.data,    r.query.stride,   r.key,
+                                  r.key_stride,     a.cache.value.data, a.cache.value.stride, r.num_tokens,
+                                  r.num_heads,      r.num_kv_heads,  r.head_size,      r.cos_sin_cache,
+                                  r.rot_dim,        a.q_norm_weight, a.k_norm_weight,  static_cast<float>(epsilon),
+                                  a.cache.key_cache, a.cache.value_cache, a.cache.slot_mapping, a.cache.num_slots};
+  const c10::cuda::CUDAGuard guard(query.device());
+  check_launch(gpu::rope_and_cache(p, is_neox, r.dtype, r.cache_dtype, a.cache.kv_fp8,
+                                   c10::cuda::getCurrentCUDAStream()),
+               "rope_and_cache");
+}
+
 int device_attribute(cudaDeviceAttr attribute, int device) {
   int value = 0;
   const cudaError_t status = cudaDeviceGetAttribute(&value, attribute, device);
@@ -159,6 +184,7 @@ TORCH_LIBRARY_IMPL(pagoda, CUDA, m) {
   m.impl("silu_and_mul", &pagoda::silu_and_mul_cuda);
   m.impl("rotary_embedding", &pagoda::rotary_embedding_cuda);
   m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cuda);
+  m.impl("rope_and_cache", &pagoda::rope_and_cache_cuda);
   m.impl("paged_attention", &pagoda::paged_attention_cuda);
   m.impl("sample", &pagoda::sample_cuda);
 }

@@ -386,6 +386,46 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(const at::Tensor& key, const 
                              kv_fp8 ? dtype : kernel_dtype(key_cache, "key_cache")};
 }
 
+// rope_and_cache: rotary_embedding's and reshape_and_cache's checks on the
+// same query/key/value (key and value as [num_tokens, num_kv_heads,
+// head_size] views for the cache), plus the optional per-head norm weights.
+struct RopeAndCacheArgs {
+  RotaryArgs rotary;
+  ReshapeAndCacheArgs cache;
+  const void* q_norm_weight;  // null: no norm over query heads
+  const void* k_norm_weight;  // null: no norm over key heads
+};
+
+inline const void* check_head_norm_weight(const c10::optional<at::Tensor>& weight, const char* name,
+                                          const at::Tensor& query, int64_t head_size) {
+  if (!weight.has_value()) return nullptr;
+  check_float_op(*weight, name, query, "query");
+  TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == head_size && weight->is_contiguous(), name,
+                    " must be a contiguous 1-D tensor of head_size = ", head_size, " elements, got shape ",
+                    weight->sizes());
+  return weight->data_ptr();
+}
+
+inline RopeAndCacheArgs check_rope_and_cache(const at::Tensor& positions, const at::Tensor& query,
+                                             const at::Tensor& key, const at::Tensor& value,
+                                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                             const at::Tensor& slot_mapping, int64_t head_size,
+                                             const at::Tensor& cos_sin_cache,
+                                             const c10::optional<at::Tensor>& q_norm_weight,
+                                             const c10::optional<at::Tensor>& k_norm_weight) {
+  TORCH_CHECK_VALUE(positions.dim() == 1, "positions must be 1-D [num_tokens], got shape ", positions.sizes());
+  const RotaryArgs rotary = check_rotary_embedding(positions, query, key, head_size, cos_sin_cache);
+  check_float_op(value, "value", key, "key");
+  const int64_t num_tokens = positions.numel();
+  TORCH_CHECK_VALUE(value.numel() == key.numel(), "value has ", value.numel(), " elements but key has ", key.numel());
+  const at::Tensor key_heads = key.view({num_tokens, rotary.num_kv_heads, head_size});
+  const at::Tensor value_heads = value.view({num_tokens, rotary.num_kv_heads, head_size});
+  return RopeAndCacheArgs{rotary,
+                          check_reshape_and_cache(key_heads, value_heads, key_cache, value_cache, slot_mapping),
+                          check_head_norm_weight(q_norm_weight, "q_norm_weight", query, head_size),
+                          check_head_norm_weight(k_norm_weight, "k_norm_weight", query, head_size)};
+}
+
 struct PagedAttentionArgs {
   Rows out, query;  // one row per token: num_heads * head_size elements
   const void* key_cache;

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <stdexcept>
+#include <tuple>
 
 #include "cc/cpu_dispatch.h"
 #include "cc/tensor_checks.h"
@@ -75,6 +76,31 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   }
   cpu_kernels().reshape_and_cache(a.key.data, a.key.stride, a.value.data, a.value.stride, a.key_cache,
                                   a.value_cache, a.slot_mapping, a.key.count, a.key.width, a.dtype, a.kv_dtype);
+}
+
+// The three ops in turn (on CUDA, one kernel: cuda/rope_and_cache.cu).
+void rope_and_cache_cpu(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, const at::Tensor& value,
+                        at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                        int64_t head_size, const at::Tensor& cos_sin_cache,
+                        const c10::optional<at::Tensor>& q_norm_weight, const c10::optional<at::Tensor>& k_norm_weight,
+                        bool is_neox, double epsilon) {
+  check_cpu(query, "query");
+  const RopeAndCacheArgs a = check_rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
+                                                  head_size, cos_sin_cache, q_norm_weight, k_norm_weight);
+  const int64_t num_tokens = a.rotary.num_tokens;
+  for (auto [x, heads, weight] : {std::make_tuple(&query, a.rotary.num_heads, &q_norm_weight),
+                                  std::make_tuple(&key, a.rotary.num_kv_heads, &k_norm_weight)}) {
+    if (!weight->has_value()) continue;
+    const at::Tensor per_head = x->view({num_tokens, heads, head_size});
+    for (int64_t h = 0; h < heads; ++h) {
+      at::Tensor rows = per_head.select(1, h);
+      rms_norm_cpu(rows, rows, **weight, epsilon);
+    }
+  }
+  rotary_embedding_cpu(positions, query, key, head_size, cos_sin_cache, is_neox);
+  reshape_and_cache_cpu(key.view({num_tokens, a.rotary.num_kv_heads, head_size}),
+                        value.view({num_tokens, a.rotary.num_kv_heads, head_size}), key_cache, value_cache,
+                        slot_mapping);
 }
 
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -270,6 +296,10 @@ TORCH_LIBRARY(pagoda, m) {
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def(
+      "rope_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, Tensor(c!) key_cache, "
+      "Tensor(d!) value_cache, Tensor slot_mapping, int head_size, Tensor cos_sin_cache, Tensor? q_norm_weight, "
+      "Tensor? k_norm_weight, bool is_neox, float epsilon) -> ()");
+  m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
   m.def("linear(Tensor(a!) out, Tensor input, Tensor weight, Tensor? bias) -> ()");
@@ -295,6 +325,7 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("silu_and_mul", &pagoda::silu_and_mul_cpu);
   m.impl("rotary_embedding", &pagoda::rotary_embedding_cpu);
   m.impl("reshape_and_cache", &pagoda::reshape_and_cache_cpu);
+  m.impl("rope_and_cache", &pagoda::rope_and_cache_cpu);
   m.impl("paged_attention", &pagoda::paged_attention_cpu);
   m.impl("linear", &pagoda::linear_cpu);
   m.impl("gguf_linear", &pagoda::gguf_linear_cpu);

@@ -46,6 +46,40 @@ cudaError_t reshape_and_cache(const void* key, int64_t key_stride,
                               int64_t num_slots, int64_t row_width,
                               DType dtype, bool to_fp8, cudaStream_t stream);
 
+// rope_and_cache (python/pagoda/ops.py): per-head RMSNorm of query and key
+// (each only where its weight is non-null), rotary embedding in place, and
+// key/value into their cache slots, in one launch (cuda/rope_and_cache.cu).
+// query/key/value: rows of heads * head_size elements, *_stride apart;
+// caches as reshape_and_cache's, num_slots = num_blocks * block_size.
+struct RopeAndCacheParams {
+  const int64_t* positions;
+  void* query;
+  int64_t query_stride;
+  void* key;
+  int64_t key_stride;
+  const void* value;
+  int64_t value_stride;
+  int64_t num_tokens, num_heads, num_kv_heads, head_size;
+  const void* cos_sin_cache;  // [max_position, rot_dim]
+  int64_t rot_dim;
+  const void* q_norm_weight;  // [head_size] or null
+  const void* k_norm_weight;  // [head_size] or null
+  float eps;
+  void* key_cache;
+  void* value_cache;
+  const int64_t* slot_mapping;
+  int64_t num_slots;
+};
+
+// The largest head rope_and_cache takes: each warp of a block keeps one head
+// in shared memory (32 KB at this size, under the 48 KB a launch gets
+// without opting in to more).
+constexpr int64_t kRopeAndCacheMaxHeadSize = 1024;
+
+cudaError_t rope_and_cache(const RopeAndCacheParams& p, bool is_neox,
+                           DType dtype, DType cos_sin_dtype, bool to_fp8,
+                           cudaStream_t stream);
+
 // How paged_attention splits its work (cuda/attention.cu), decided from
 // shapes alone -- tensor sizes, the device's multiprocessor count and compute
 // capability -- never from device values, so a CUDA graph that captured the

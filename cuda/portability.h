@@ -13,6 +13,8 @@
 //   PAGODA_MAX_WARP_SIZE             64: host code rounds block sizes to this
 //   pagoda::gpu::warp_shfl_xor(v, m) __shfl_xor_sync / __shfl_xor
 //   pagoda::gpu::warp_reduce_sum(v)  butterfly sum over a full warp
+//   pagoda::gpu::warp_sync()         the lanes' shared-memory writes seen by
+//                                    the whole warp (__syncwarp)
 //   pagoda::gpu::bf16_to_float / float_to_bf16_rn: bf16 kept as raw uint16_t
 //                                    bits, round-to-nearest-even, NaN stays NaN
 //                                    (quieted, sign and top payload bits kept)
@@ -104,6 +106,16 @@ __device__ __forceinline__ float warp_reduce_sum(float v) {
 #pragma unroll
   for (int m = PAGODA_WARP_SIZE / 2; m > 0; m >>= 1) v += warp_shfl_xor(v, m);
   return v;
+}
+
+__device__ __forceinline__ void warp_sync() {
+#if PAGODA_HIP
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
 }
 
 // bf16 <-> fp32 on raw bits (the upper half of an IEEE binary32).

@@ -59,6 +59,7 @@ GPU_KERNEL_SRCS = [
     "cuda/attention.cu",
     "cuda/cache.cu",
     "cuda/norm.cu",
+    "cuda/rope_and_cache.cu",
     "cuda/rotary.cu",
     "cuda/sampling.cu",
 ]

@@ -24,6 +24,7 @@ for _name in (
     "silu_and_mul",
     "rotary_embedding",
     "reshape_and_cache",
+    "rope_and_cache",
     "paged_attention",
     "linear",
     "gguf_linear",
@@ -83,6 +84,33 @@ def reshape_and_cache(
     skips the token (padding). On the CPU a slot past the cache's end is a
     ValueError; on CUDA (no host sync) such a token is skipped."""
     torch.ops.pagoda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def rope_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    """What an attention layer does to its new q/k/v before attending, in
+    place: rms_norm over each head of query (key) with q_norm_weight
+    (k_norm_weight) where given, then rotary_embedding of both, then
+    reshape_and_cache of key and value ([num_tokens, heads * head_size] rows,
+    strided views of a fused qkv output are fine; positions 1-D). One kernel
+    on CUDA; the three ops in turn on the CPU."""
+    torch.ops.pagoda.rope_and_cache(
+        positions, query, key, value, key_cache, value_cache, slot_mapping, head_size, cos_sin_cache,
+        q_norm_weight, k_norm_weight, is_neox, eps,
+    )
 
 
 def paged_attention(
@@ -349,6 +377,36 @@ def reshape_and_cache_reference(
         flat[slots] = new[keep].to(cache.dtype)
         new_caches.append(flat.view(cache.shape))
     return new_caches[0], new_caches[1]
+
+
+def rope_and_cache_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (query, key, key_cache, value_cache) as rope_and_cache leaves
+    them, computed on copies."""
+
+    def head_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            return x
+        return rms_norm_reference(x.reshape(-1, head_size), weight, eps).view(x.shape)
+
+    query, key = head_norm(query, q_norm_weight), head_norm(key, k_norm_weight)
+    query, key = rotary_embedding_reference(positions, query, key, head_size, cos_sin_cache, is_neox)
+    heads = (positions.numel(), key_cache.shape[2], head_size)
+    return (query, key, *reshape_and_cache_reference(key.view(heads), value.reshape(heads), key_cache, value_cache,
+                                                      slot_mapping))
 
 
 def paged_attention_reference(

@@ -25,6 +25,8 @@ from torch import nn
 from pagoda import ops
 from pagoda.forward_context import get_attention_metadata
 from pagoda.model_executor.layers import flash_prefill
+from pagoda.model_executor.layers.layernorm import RMSNorm
+from pagoda.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -36,18 +38,42 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] (strided views of a fused qkv are fine:
-        the kernels take any token stride) -> [T, H*D]."""
+        the kernels take any token stride) -> [T, H*D]. With rotary_emb, q
+        and k are position-encoded here (in place, after RMSNorms over each
+        head where qk_norms are given), together with the cache write in one
+        kernel on CUDA."""
         if self.kv_cache is None:
             raise RuntimeError("Attention layer has no KV cache: bind one with bind_kv_caches(model, caches)")
         metadata = get_attention_metadata()
         key_cache, value_cache = self.kv_cache
+        if rotary_emb is None:
+            ops.reshape_and_cache(k.unflatten(-1, (self.num_kv_heads, self.head_size)),
+                                  v.unflatten(-1, (self.num_kv_heads, self.head_size)), key_cache, value_cache,
+                                  metadata.slot_mapping)
+        else:
+            # One eps for both norms: models build them from one config value.
+            q_norm, k_norm = qk_norms or (None, None)
+            ops.rope_and_cache(
+                positions, q, k, v, key_cache, value_cache, metadata.slot_mapping, self.head_size,
+                rotary_emb.cos_sin_cache, rotary_emb.is_neox_style,
+                q_norm_weight=None if q_norm is None else q_norm.weight,
+                k_norm_weight=None if k_norm is None else k_norm.weight,
+                eps=0.0 if q_norm is None else q_norm.eps,
+            )
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         args = (q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 self.scale)
         if not q.is_cuda or metadata.max_query_len <= 1:

@@ -89,16 +89,14 @@ class LlamaAttention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return bias, bias
 
-    def position_encode(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(positions, q, k)
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm] | None:
+        """RMSNorms over each head of q and k before RoPE (Qwen3); Llama has none."""
+        return None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.position_encode(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb, self.qk_norms()))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,7 +198,7 @@ class LlamaModel(nn.Module):
         for layer, next_norm in zip(self.layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
             if (type(attn).forward is not LlamaAttention.forward
-                    or type(attn).position_encode is not LlamaAttention.position_encode
+                    or attn.qk_norms() is not None
                     or type(mlp) is not LlamaMLP or type(attn.rotary_emb) is not RotaryEmbedding
                     or attn.attn.kv_cache is None):
                 return None

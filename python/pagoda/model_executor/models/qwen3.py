@@ -1,7 +1,8 @@
 """Qwen3 (Hugging Face's Qwen3ForCausalLM): Llama's architecture plus an
 RMSNorm over each head of q and k (q_norm/k_norm) before RoPE; head_dim comes
 from the config (it is not hidden_size / num_heads for most sizes). The norms
-being per head, a rank applies them to its own heads alone."""
+being per head, a rank applies them to its own heads alone; the attention
+layer applies them with RoPE and the cache write (ops.rope_and_cache)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
-    def position_encode(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # One row per head; reshape copies q/k out of the fused qkv output
-        # (the norm writes new tensors anyway).
-        num_tokens = q.shape[0]
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
-        return super().position_encode(positions, q, k)
+    def qk_norms(self) -> tuple[RMSNorm, RMSNorm]:
+        return self.q_norm, self.k_norm
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
