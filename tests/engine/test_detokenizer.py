@@ -89,6 +89,25 @@ def test_invalid_bytes_come_out_at_the_end(tokenizer, hf_tokenizer):
     assert shown == d.output_text == hf_tokenizer.decode(seq)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_window_shortcut_streams_the_same_chunks(hf_tokenizer, skip):
+    """A byte-level tokenizer takes the emitted delta as the window's new
+    prefix text instead of decoding it again: on random ids (split characters,
+    invalid bytes, special tokens) every chunk equals the generic path's."""
+    rng = random.Random(1)
+    vocab = len(hf_tokenizer)
+    for _ in range(40):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(max_tokens=len(ids), skip_special_tokens=skip)
+        fast = IncrementalDetokenizer(hf_tokenizer, prompt, params)
+        generic = IncrementalDetokenizer(SlowWrapper(hf_tokenizer), prompt, params)
+        assert fast.decoder.byte_level and not generic.decoder.byte_level
+        assert stream(fast, ids) == stream(generic, ids)
+        assert fast.finish("length") == generic.finish("length")
+        assert fast.output_text == generic.output_text
+
+
 def test_skip_special_tokens(tokenizer, hf_tokenizer):
     sep = hf_tokenizer.convert_tokens_to_ids("<sep>")
     ids = hf_tokenizer.encode("héllo") + [sep, sep] + hf_tokenizer.encode(" wörld")

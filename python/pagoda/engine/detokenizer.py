@@ -30,6 +30,15 @@ def _decode_fn(tokenizer, skip_special_tokens: bool, spaces_between_special_toke
                                         spaces_between_special_tokens=spaces_between_special_tokens)
 
 
+def _is_byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level BPE's (GPT-2, Llama 3,
+    Qwen): each token decodes to its own bytes whatever surrounds it."""
+    from tokenizers.decoders import ByteLevel
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    return isinstance(getattr(backend, "decoder", None), ByteLevel)
+
+
 def _added_tokens(tokenizer) -> dict[int, str]:
     get = getattr(tokenizer, "get_added_vocab", None)
     return {i: t for t, i in get().items()} if get else {}
@@ -54,6 +63,7 @@ class _Decoder:
                 break
         self.read_offset = len(self.ids)  # ids[:read_offset] are already emitted (window starts at 0)
         self.prefix_text = self.decode(self.ids)
+        self.byte_level = _is_byte_level(tokenizer)
         # spaces_between_special_tokens=False: two added tokens in a row are
         # joined without whatever separator the decoder would put (vLLM's rule).
         self.added = {} if params.skip_special_tokens or params.spaces_between_special_tokens else _added_tokens(tokenizer)
@@ -69,7 +79,11 @@ class _Decoder:
             # Slide the window: the tokens just emitted become its prefix.
             self.ids = self.ids[self.read_offset:]
             self.read_offset = len(self.ids)
-            self.prefix_text = self.decode(self.ids)
+            # Byte-level tokens decode to their own bytes, so after a prefix
+            # of valid UTF-8 the new tokens' text is exactly the delta: one
+            # decode per token instead of two.
+            shortcut = self.byte_level and _REPLACEMENT not in self.prefix_text
+            self.prefix_text = delta if shortcut else self.decode(self.ids)
         if self.added:
             is_added = token_id in self.added
             if is_added and self.last_added:
