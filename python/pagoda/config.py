@@ -73,18 +73,26 @@ DEVICES = ("auto", "cpu", "cuda")
 def resolve_device(device: str | torch.device) -> torch.device:
     """"auto" -> CUDA when torch sees a GPU and Pagoda's CUDA kernels are
     loaded, else the CPU; "cuda" insists (ValueError saying what is missing)."""
+    if device_type(device) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def device_type(device: str | torch.device) -> str:
+    """"cpu" or "cuda": where resolve_device puts a model, without making a
+    CUDA context in this process."""
     name = device.type if isinstance(device, torch.device) else device
     if name not in DEVICES or (isinstance(device, torch.device) and device.index not in (None, 0)):
         raise ValueError(f"device must be one of {DEVICES}, got {device!r} (pick a GPU with CUDA_VISIBLE_DEVICES)")
     if name == "cpu":
-        return torch.device("cpu")
+        return "cpu"
     if not torch.cuda.is_available():
         if name == "cuda":
             raise ValueError(
                 f"device='cuda' but torch {torch.__version__} sees no CUDA GPU "
                 f"({'a CPU-only build' if torch.version.cuda is None else 'built for CUDA ' + torch.version.cuda})"
             )
-        return torch.device("cpu")
+        return "cpu"
     if not _native.has_cuda_ops():
         missing = (
             "Pagoda's CUDA kernels are not loaded (no _cuda_ops.so beside pagoda/_C.so): build them with "
@@ -93,8 +101,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if name == "cuda":
             raise ValueError(f"device='cuda' but {missing}")
         logger.warning("device='auto' runs on the CPU although torch sees a GPU: %s", missing)
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+        return "cpu"
+    return "cuda"
 
 
 @dataclass

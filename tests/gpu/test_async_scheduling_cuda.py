@@ -29,7 +29,7 @@ PARAMS = [
 def make_llm(ref, async_scheduling):
     # float32: the two runs batch differently (a stopped request spends one
     # more row), and bf16 GEMMs of other shapes could flip a near-tie.
-    return LLM(ref.folder, dtype="float32", device="cuda", skip_tokenizer_init=True, max_num_seqs=16,
+    return LLM(ref.folder, dtype="float32", device="cuda", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16,
                async_scheduling=async_scheduling)
 
 

@@ -37,14 +37,14 @@ def count_replays(runner):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "opt"])
 def test_graph_replay_equals_padded_eager(family, reference):
     ref = reference(family)
-    graphs = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16)
+    graphs = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16)
     runner = graphs.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 8, 16] and set(runner.graph_runner.graphs) == {1, 2, 4, 8, 16}
     replays = count_replays(runner)
     # The same padded inputs, run eagerly.
-    padded = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, enforce_eager=True)
+    padded = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16, enforce_eager=True)
     padded.llm_engine.runner.cudagraph_batch_sizes = runner.cudagraph_batch_sizes
-    plain = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, enforce_eager=True)
+    plain = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16, enforce_eager=True)
 
     got = graphs.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert set(replays) == {8, 4, 2, 1}, "decode steps did not replay the graphs they fit"
@@ -65,7 +65,7 @@ def test_steps_that_do_not_fit_run_eagerly(reference):
     """max_num_batched_tokens caps the ladder (no decode batch can be larger);
     steps with prefill run eagerly and decode steps replay."""
     ref = reference("llama")
-    llm = LLM(ref.folder, skip_tokenizer_init=True, max_num_seqs=8, max_num_batched_tokens=6)
+    llm = LLM(ref.folder, skip_tokenizer_init=True, multiprocess=False, max_num_seqs=8, max_num_batched_tokens=6)
     runner = llm.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 6]
     replays = count_replays(runner)
@@ -77,7 +77,7 @@ def test_steps_that_do_not_fit_run_eagerly(reference):
 
 def test_graph_inputs_keep_their_addresses(reference):
     """What the graphs read is what each step writes: the persistent buffers."""
-    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, max_num_seqs=4)
+    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, multiprocess=False, max_num_seqs=4)
     buffers = llm.llm_engine.runner.input_buffers
     before = [buffers.input_ids.gpu.data_ptr(), buffers.padded_block_tables.data_ptr()]
     llm.generate(PROMPTS[:3], PARAMS[:3], use_tqdm=False)

@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU end to end against Hugging Face transformers on
 the same GPU (see conftest.py for how bf16 and fp32 outputs are compared):
 every family, a batch of prompts of different lengths, with CUDA graphs and
-eagerly, with chunked prefill, prefix caching and preemption; the KV pool is
+eagerly, the core in this process and (the default) in its own, with chunked prefill, prefix caching and preemption; the KV pool is
 whole after every run."""
 
 import pytest
@@ -16,7 +16,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "opt"]
 
 
 def make_llm(ref, dtype, **kwargs):
-    return LLM(ref.folder, dtype=dtype, device="cuda", skip_tokenizer_init=True, **kwargs)
+    return LLM(ref.folder, dtype=dtype, device="cuda", skip_tokenizer_init=True, multiprocess=False, **kwargs)
 
 
 def assert_pool_full(llm):
@@ -37,6 +37,21 @@ def test_greedy_batch_matches_hugging_face(family, enforce_eager, dtype, referen
         assert output.outputs[0].finish_reason == "length"
         ref.check_greedy(prompt, output, dtype)
     assert_pool_full(llm)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_default_core_process_matches_hugging_face(family, dtype, reference):
+    """On a GPU the offline LLM's core runs in a process of its own by
+    default (CUDA graphs, async scheduling there): the same greedy tokens."""
+    ref = reference(family)
+    llm = LLM(ref.folder, dtype=dtype, skip_tokenizer_init=True, gpu_memory_utilization=0.3)
+    try:
+        assert llm.llm_engine.core_pid is not None and llm.llm_engine.model_config.device.type == "cuda"
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for prompt, output in zip(PROMPTS, outputs):
+            ref.check_greedy(prompt, output, dtype)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 def run(folder, **kwargs):
-    llm = LLM(folder, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, kv_cache_space=0.05, **kwargs)
+    llm = LLM(folder, dtype="bfloat16", device="cuda", skip_tokenizer_init=True, multiprocess=False, kv_cache_space=0.05, **kwargs)
     try:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         kv = llm.llm_engine.kv_cache_manager

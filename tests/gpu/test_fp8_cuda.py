@@ -21,10 +21,10 @@ NEAR_TIE, MAX_DRIFT = 1.0, 0.3  # as tests/engine/test_fp8.py
 def test_fp8_follows_bf16_and_graphs_equal_eager(family, reference):
     ref = reference(family)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    bf16 = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16)
+    bf16 = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16)
     want = bf16.generate(prompts, PARAMS, use_tqdm=False)
     del bf16
-    fp8 = LLM(ref.folder, dtype="bfloat16", quantization="fp8", skip_tokenizer_init=True, max_num_seqs=16)
+    fp8 = LLM(ref.folder, dtype="bfloat16", quantization="fp8", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16)
     linears = [m for m in fp8.llm_engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
     assert fp8.llm_engine.runner.graph_runner is not None
@@ -32,7 +32,7 @@ def test_fp8_follows_bf16_and_graphs_equal_eager(family, reference):
     drifts = [assert_agree_up_to_near_tie(g, w, NEAR_TIE, MAX_DRIFT) for g, w in zip(got, want)]
     assert max(drifts) > 0
     del fp8
-    eager = LLM(ref.folder, dtype="bfloat16", quantization="fp8", skip_tokenizer_init=True, max_num_seqs=16,
+    eager = LLM(ref.folder, dtype="bfloat16", quantization="fp8", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16,
                 enforce_eager=True)
     for g, e in zip(got, eager.generate(prompts, PARAMS, use_tqdm=False)):
         # Decode graphs pad the batch; the GEMM's result for a row does not depend on the others.

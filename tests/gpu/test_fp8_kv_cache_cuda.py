@@ -23,7 +23,7 @@ def test_fp8_kv_cache_follows_bf16(family, reference):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     # The fixtures' heads (16, 32 dims) are below what the fp8 kernel takes:
     # the same shapes with 64-dim heads, seeded dummy weights (equal in both).
-    args = dict(dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=16, gpu_memory_utilization=0.3,
+    args = dict(dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16, gpu_memory_utilization=0.3,
                 load_format="dummy", hf_overrides=dict(hidden_size=256, head_dim=64, word_embed_proj_dim=256))
     bf16 = LLM(ref.folder, **args)
     want = bf16.generate(prompts, PARAMS, use_tqdm=False)

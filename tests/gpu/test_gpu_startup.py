@@ -13,7 +13,7 @@ from pagoda.worker.gpu_model_runner import GPUModelRunner
 
 
 def test_auto_picks_the_gpu_and_bf16(reference):
-    llm = LLM(reference("llama").folder, skip_tokenizer_init=True)
+    llm = LLM(reference("llama").folder, skip_tokenizer_init=True, multiprocess=False)
     runner = llm.llm_engine.runner
     assert isinstance(runner, GPUModelRunner) and runner.device.type == "cuda"
     assert runner.dtype == torch.bfloat16  # an fp32 checkpoint runs in bf16 on a GPU
@@ -28,34 +28,34 @@ def test_auto_picks_the_gpu_and_bf16(reference):
 
 def test_fp16_checkpoint_stays_fp16(tmp_path):
     folder = save_checkpoint(build_hf_model("qwen2").half(), str(tmp_path))
-    llm = LLM(folder, skip_tokenizer_init=True, enforce_eager=True)
+    llm = LLM(folder, skip_tokenizer_init=True, multiprocess=False, enforce_eager=True)
     assert llm.llm_engine.runner.dtype == torch.float16
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
                .outputs[0].token_ids) == 4
 
 
 def test_cpu_still_selectable(reference):
-    llm = LLM(reference("llama").folder, skip_tokenizer_init=True, device="cpu", dtype="float32",
+    llm = LLM(reference("llama").folder, skip_tokenizer_init=True, multiprocess=False, device="cpu", dtype="float32",
               kv_cache_space=0.01)
     assert llm.llm_engine.runner.device.type == "cpu"
 
 
 def test_override_and_too_little_memory(reference):
     folder = reference("llama").folder
-    assert LLM(folder, skip_tokenizer_init=True, num_gpu_blocks_override=7).llm_engine.runner.num_blocks == 7
+    assert LLM(folder, skip_tokenizer_init=True, multiprocess=False, num_gpu_blocks_override=7).llm_engine.runner.num_blocks == 7
     used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
     too_little = max(used / torch.cuda.mem_get_info()[1] / 2, 1e-4)
     with pytest.raises(ValueError, match="raise gpu_memory_utilization or lower max_num_batched_tokens"):
-        LLM(folder, skip_tokenizer_init=True, gpu_memory_utilization=too_little)
+        LLM(folder, skip_tokenizer_init=True, multiprocess=False, gpu_memory_utilization=too_little)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
-        LLM(folder, skip_tokenizer_init=True, gpu_memory_utilization=1.5)
+        LLM(folder, skip_tokenizer_init=True, multiprocess=False, gpu_memory_utilization=1.5)
 
 
 def test_startup_phases_are_logged(reference, caplog):
     logger = logging.getLogger("pagoda")  # it does not propagate to the root, where caplog listens
     logger.addHandler(caplog.handler)
     try:
-        LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy")
+        LLM(reference("qwen3").folder, skip_tokenizer_init=True, multiprocess=False, load_format="dummy")
     finally:
         logger.removeHandler(caplog.handler)
     lines = caplog.messages
@@ -81,7 +81,7 @@ def test_no_prefill_kernel_compiles_while_serving(reference):
     # 8 sequences: the profiling step's prompts are long (128 tokens), so it
     # compiles none of the short runs' variants itself. float32: torch's flash
     # kernel takes bf16/fp16 prefill, Triton the rest.
-    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, load_format="dummy", max_num_seqs=8,
+    llm = LLM(reference("qwen3").folder, skip_tokenizer_init=True, multiprocess=False, load_format="dummy", max_num_seqs=8,
               dtype="float32")
     compiled = _compiled_prefill_variants()
     params = SamplingParams(max_tokens=2, ignore_eos=True)

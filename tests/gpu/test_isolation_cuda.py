@@ -25,7 +25,7 @@ def llm(reference, fp32_supported):
         pytest.skip(f"the CUDA attention kernels take no float32: {fp32_supported}")
     # float32: the batches differ between runs, and bf16 GEMMs of other
     # shapes could flip a near-tie of the greedy rows.
-    return LLM(reference("llama").folder, dtype="float32", device="cuda", skip_tokenizer_init=True,
+    return LLM(reference("llama").folder, dtype="float32", device="cuda", skip_tokenizer_init=True, multiprocess=False,
                gpu_memory_utilization=0.3, max_num_seqs=32)
 
 

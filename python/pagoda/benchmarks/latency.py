@@ -14,13 +14,15 @@ from tqdm import tqdm
 
 from pagoda.benchmarks.datasets import DatasetSpec, RandomDataset, special_token_ids, verify_fits
 from pagoda.benchmarks.peers import add_compare_args, prepare_peers, print_peer
-from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, non_negative_int, positive_int
+from pagoda.entrypoints.cli_args import (add_engine_args, add_multiprocess_arg, engine_args_from_cli, non_negative_int,
+                                         positive_int)
 
 PERCENTAGES = [10, 25, 50, 75, 90, 99]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_shapes=True)
+    add_multiprocess_arg(parser)
     parser.add_argument("--input-len", type=positive_int, default=32)
     parser.add_argument("--output-len", type=positive_int, default=128)
     parser.add_argument("--batch-size", type=positive_int, default=8)
@@ -48,7 +50,7 @@ def main(args: argparse.Namespace) -> dict:
     from pagoda.sampling_params import SamplingParams
 
     engine_args = engine_args_from_cli(args)
-    llm = LLM(**asdict(engine_args))
+    llm = LLM(**asdict(engine_args), multiprocess=args.multiprocess)
     model_config = llm.llm_engine.model_config
     spec = DatasetSpec(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len))
     requests = RandomDataset(model_config.hf_config.vocab_size, args.seed,

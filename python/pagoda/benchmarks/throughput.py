@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
 from pagoda.benchmarks.peers import PEERS, add_compare_args, prepare_peers, print_peer
-from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
+from pagoda.entrypoints.cli_args import add_engine_args, add_multiprocess_arg, engine_args_from_cli, positive_int
 
 # An array of records without end: a request stays inside it (strings, digits,
 # keys: the matcher's usual work) until max_tokens, so the token counts match
@@ -31,6 +31,7 @@ STRUCTURED_SCHEMA = {"type": "object", "properties": {"records": {"type": "array
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_shapes=True)
+    add_multiprocess_arg(parser)
     add_dataset_args(parser)
     parser.add_argument("--greedy", action="store_true", help="temperature 0 (default: sampling at temperature 1)")
     parser.add_argument("--hf-baseline", action="store_true",
@@ -86,7 +87,7 @@ def main(args: argparse.Namespace) -> dict:
 
     spec = get_dataset_spec(args)
     engine_args = engine_args_from_cli(args)
-    llm = LLM(**asdict(engine_args))
+    llm = LLM(**asdict(engine_args), multiprocess=args.multiprocess)
     model_config = llm.llm_engine.model_config
     vocab, special = model_config.hf_config.vocab_size, special_token_ids(model_config.hf_config)
     requests = sample_requests(args, spec, vocab, special)

@@ -41,16 +41,19 @@ class EngineArgs:
     disable_log_stats: bool = True
     stats_interval: float = 10.0  # seconds between stats lines
 
-    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
-        from pagoda.distributed.utils import verify_tensor_parallel
-
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        model_config = ModelConfig(
+    def create_model_config(self) -> ModelConfig:
+        return ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=self.seed, load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             hf_overrides=self.hf_overrides, device=self.device, enforce_eager=self.enforce_eager,
             quantization=self.quantization,
         )
+
+    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+        from pagoda.distributed.utils import verify_tensor_parallel
+
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        model_config = self.create_model_config()
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(4096, min(model_config.max_model_len, 8192))
@@ -68,14 +71,19 @@ class EngineArgs:
         verify_tensor_parallel(model_config.hf_config, parallel_config.tensor_parallel_size)
         return model_config, cache_config, scheduler_config, parallel_config
 
-    def create_engine(self):
+    def create_engine(self, multiprocess: bool = False):
+        """An LLMEngine; multiprocess: its core (scheduler, model) in a
+        process of its own, stepping while this one detokenizes."""
         from pagoda.engine.llm_engine import LLMEngine
         from pagoda.metrics import StatLogger
 
         started = time.perf_counter()
-        engine = LLMEngine(*self.create_engine_configs())
-        if not self.disable_log_stats:
-            engine.core.stat_logger = StatLogger(self.stats_interval)
+        if multiprocess:
+            engine = LLMEngine.with_core_process(self)  # the core process logs the stats
+        else:
+            engine = LLMEngine(*self.create_engine_configs())
+            if not self.disable_log_stats:
+                engine.core.stat_logger = StatLogger(self.stats_interval)
         # Config, tokenizer and model runner together: the cold start a user waits for.
         logger.info(
             "engine ready in %.1f s (async scheduling %s)",

@@ -1,8 +1,10 @@
-"""How a front end (AsyncLLM) reaches an engine core: in this process, on a
+"""How a front end reaches an engine core. AsyncLLM's: in this process, on a
 thread (InprocClient), or in an engine-core process over ZeroMQ (MPClient).
 Both take requests and aborts from any thread and, once started, call
 `on_outputs` with each step's EngineCoreOutputs, and `on_dead` once if the
-core dies, on a thread of their own."""
+core dies, on a thread of their own. The offline LLMEngine's, with its core
+in a process: SyncMPClient, an MPClient whose outputs wait in a queue for
+the engine's step()."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import zmq
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.core import EngineCore
-from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
-                                         RequestType)
+from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                                         EngineCoreRequest, RequestType)
 from pagoda.logger import init_logger
 from pagoda.process_watch import raise_startup_error
 
@@ -268,3 +270,50 @@ class MPClient:
         self.output.close(linger=0)
         self.context.term()
         shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+class SyncMPClient:
+    """An engine-core process started for one synchronous front end (the
+    offline LLMEngine): the core steps on its own while the front end
+    detokenizes, and get_outputs() returns what it sent since the last call,
+    waiting for a step's message when none is there."""
+
+    def __init__(self, args: EngineArgs, eos_token_ids: list[int]):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # EngineCoreOutputs, or the exception that ended the core
+        self._dead: BaseException | None = None
+        process, address, socket_dir = start_engine_core(args, eos_token_ids)
+        try:
+            self._client = MPClient(address, self._inbox.put, self._inbox.put, process=process, socket_dir=socket_dir)
+        except BaseException:
+            stop_engine_core(process, address, socket_dir, timeout=5.0)
+            raise
+        self.ready: EngineCoreReady = self._client.ready
+        self.core_pid = self._client.core_pid
+        self._client.start()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._client.add_requests(requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._client.abort_requests(request_ids)
+
+    def get_outputs(self) -> list[EngineCoreOutput]:
+        """Every sequence output of the steps that arrived (at least one);
+        EngineCoreDiedError once the core is gone."""
+        if self._dead is None:
+            items = [self._inbox.get()]
+            while not self._inbox.empty():
+                items.append(self._inbox.get_nowait())
+            outputs = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    self._dead = item
+                    break
+                outputs += item.outputs
+            else:
+                return outputs
+        raise EngineCoreDiedError(f"the engine core is gone: {self._dead}") from self._dead
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the core process. Idempotent."""
+        self._client.shutdown(timeout)

@@ -1,8 +1,12 @@
-"""LLMEngine: add_request / step / abort_request, all in one process -- the
-front end (Processor: tokenization and checks; OutputProcessor:
-detokenization, stop strings, outputs) around an in-process EngineCore
-(scheduler, model, sampler). The offline LLM and the tests drive it; the
-server runs the same pieces with the core in its own process (AsyncLLM).
+"""LLMEngine: add_request / step / abort_request -- the front end
+(Processor: tokenization and checks; OutputProcessor: detokenization, stop
+strings, outputs) around an EngineCore (scheduler, model, sampler). The
+offline LLM and the tests drive it. The core runs
+  - in this process (the default): step() runs a core step, then its
+    outputs; simple to debug and to look inside, or
+  - in a process of its own (with_core_process, as `pagoda serve` runs it):
+    the core steps on its own and step() processes what it sent meanwhile,
+    so detokenization and output bookkeeping never make the device wait.
 
 Data flows one way each step: core step (scheduler decision -> model ->
 sampler -> token ids) -> output processor -> RequestOutputs, and the
@@ -11,12 +15,14 @@ sequences the front end ended (stop strings) back to the core as aborts.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable
 
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, OutputProcessorResult
-from pagoda.engine.processor import Processor, eos_token_ids, load_tokenizer
+from pagoda.engine.processor import (Processor, adopt_core_start, eos_token_ids, front_end_model_config,
+                                     load_tokenizer)
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 
@@ -24,30 +30,62 @@ from pagoda.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  parallel_config: ParallelConfig | None = None):
+        """The engine with its core in this process."""
+        tokenizer = self._init_front_end(model_config)
+        self.client = None
+        self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids,
+                               tokenizer=tokenizer)
+
+    @classmethod
+    def with_core_process(cls, args) -> LLMEngine:
+        """The engine with its core in a process of its own (started here,
+        stopped by shutdown() or when the engine is collected)."""
+        from pagoda.engine.core_client import SyncMPClient
+
+        self = cls.__new__(cls)
+        model_config = front_end_model_config(args)
+        self._init_front_end(model_config)
+        self.core = None
+        self.client = SyncMPClient(args, self.eos_token_ids)
+        adopt_core_start(model_config, self.client.ready)
+        weakref.finalize(self, self.client.shutdown, 10.0)
+        return self
+
+    def _init_front_end(self, model_config: ModelConfig):
         self.model_config = model_config
         # skip_tokenizer_init (vLLM's): token-id prompts only, outputs without text.
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
         self.eos_token_ids = eos_token_ids(model_config, self.tokenizer)
-        self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids,
-                               tokenizer=self.tokenizer)
         self.processor = Processor(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.processor.vocab_size
+        return self.tokenizer
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine-core process (None: the core runs in this process)."""
+        return None if self.client is None else self.client.core_pid
+
+    def _inproc_core(self) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError("the engine core runs in another process (multiprocess=True): "
+                               "its scheduler and workers are not reachable from here")
+        return self.core
 
     # The core's parts, for tests and tools that look inside.
     @property
     def scheduler(self):
-        return self.core.scheduler
+        return self._inproc_core().scheduler
 
     @property
     def kv_cache_manager(self):
-        return self.core.kv_cache_manager
+        return self._inproc_core().kv_cache_manager
 
     @property
     def worker(self):
         """The in-process worker (the uni executor's; other executors keep
         theirs in other processes)."""
-        return self.core.executor.worker
+        return self._inproc_core().executor.worker
 
     @property
     def runner(self):
@@ -55,7 +93,7 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        return self.core.async_scheduling
+        return self.client.ready.async_scheduling if self.core is None else self.core.async_scheduling
 
     @property
     def fault_hook(self):
@@ -67,11 +105,15 @@ class LLMEngine:
 
     @fault_hook.setter
     def fault_hook(self, hook) -> None:
-        self.worker.fault_hook = self.output_processor.fault_hook = hook
+        self.worker.fault_hook = self.output_processor.fault_hook = hook  # in process only
 
     def shutdown(self) -> None:
-        """Stops the workers (their processes, with a multi-process executor)."""
-        self.core.shutdown()
+        """Stops the workers (their processes, with a multi-process executor)
+        and the core's process if it has one."""
+        if self.client is not None:
+            self.client.shutdown()
+        else:
+            self.core.shutdown()
 
     # --- requests -----------------------------------------------------------
 
@@ -91,8 +133,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state, core_requests = self.processor.process(request_id, prompt, params, arrival_time, priority, output_kind)
         self.output_processor.add_request(state)
-        for core_request in core_requests:
-            self.core.add_request(core_request)
+        if self.client is not None:
+            self.client.add_requests(core_requests)
+        else:
+            for core_request in core_requests:
+                self.core.add_request(core_request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Ends requests now (finish_reason "abort") and frees their KV
@@ -110,10 +155,15 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one core step and returns the outputs of the requests that
-        advanced (finished ones for the last time)."""
-        return self._apply(self.output_processor.process_outputs(self.core.step()))
+        """Runs one core step (a core in its own process: takes the steps it
+        made since the last call, waiting for one) and returns the outputs of
+        the requests that advanced (finished ones for the last time)."""
+        core_outputs = self.core.step() if self.client is None else self.client.get_outputs()
+        return self._apply(self.output_processor.process_outputs(core_outputs))
 
     def _apply(self, result: OutputProcessorResult) -> list[RequestOutput]:
-        self.core.abort_requests(result.reqs_to_abort)
+        if self.client is not None:
+            self.client.abort_requests(result.reqs_to_abort)
+        else:
+            self.core.abort_requests(result.reqs_to_abort)
         return result.request_outputs

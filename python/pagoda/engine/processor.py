@@ -13,6 +13,8 @@ import dataclasses
 import time
 from typing import Any
 
+import torch
+
 from pagoda.config import ModelConfig
 from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -25,8 +27,20 @@ from pagoda.sampling_params import SamplingParams
 def front_end_model_config(args) -> ModelConfig:
     """The front end's view of the model (EngineArgs -> config, vocabulary,
     generation defaults) when the core runs in another process: built for
-    the CPU, so this process never touches the GPU."""
-    return dataclasses.replace(args, device="cpu").create_engine_configs()[0]
+    the CPU, so this process never touches the GPU, and without the weights'
+    quantization, which is the core's (the GPU's dtype and FP8 rules would
+    not hold here). What start-up decides (max_model_len, dtype, device)
+    comes from the core's ready message."""
+    return dataclasses.replace(args, device="cpu", quantization="none").create_model_config()
+
+
+def adopt_core_start(model_config: ModelConfig, ready) -> None:
+    """What the core's start-up decided (EngineCoreReady), into the front
+    end's model config: max_model_len (it may be fitted to the KV cache),
+    the dtype and the device the model runs in."""
+    model_config.max_model_len = ready.max_model_len
+    model_config.torch_dtype = getattr(torch, ready.dtype)
+    model_config.device = torch.device(ready.device)
 
 
 def load_tokenizer(model_config: ModelConfig):
@@ -129,7 +143,12 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("the prompt is text, but the engine has skip_tokenizer_init=True (no tokenizer): "
                                  "pass token ids (a list of ints or {'prompt_token_ids': [...]})")
-            return prompt, self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+            bad = ids_outside_vocab(token_ids, self.vocab_size)
+            if bad:  # a tokenizer of another model (--tokenizer): its ids would index past the embedding
+                raise ValueError(f"prompt: the tokenizer encodes it to ids outside the model's vocabulary "
+                                 f"[0, {self.vocab_size}): {bad}; the tokenizer does not match the model")
+            return prompt, token_ids
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")

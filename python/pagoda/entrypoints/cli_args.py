@@ -113,6 +113,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--seed", type=int)
 
 
+def add_multiprocess_arg(parser: argparse.ArgumentParser) -> None:
+    """LLM's multiprocess flag (not an EngineArgs field: where the core
+    runs is the front end's choice)."""
+    parser.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine core in a process of its own, stepping while this one detokenizes "
+                             "(default: on for a GPU, off on the CPU)")
+
+
 def engine_args_from_cli(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from add_engine_args' flags, --model-shape and the default
     model resolved. ValueError (naming the flags) for contradictory ones."""

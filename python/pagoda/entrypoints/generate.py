@@ -8,7 +8,7 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli, positive_int
+from pagoda.entrypoints.cli_args import add_engine_args, add_multiprocess_arg, engine_args_from_cli, positive_int
 
 # Flag -> SamplingParams field; only the flags given are passed on.
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
@@ -25,6 +25,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--min-p", type=float, default=None)
     sampling.add_argument("--max-tokens", type=positive_int, default=128)
     add_engine_args(parser)  # its --seed seeds the engine and this request's sampling
+    add_multiprocess_arg(parser)
 
 
 def main(args: argparse.Namespace) -> str:
@@ -35,7 +36,7 @@ def main(args: argparse.Namespace) -> str:
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
     params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None})
-    llm = LLM(**asdict(engine_args_from_cli(args)))
+    llm = LLM(**asdict(engine_args_from_cli(args)), multiprocess=args.multiprocess)
     if args.chat:
         messages = ([dict(role="system", content=args.system)] if args.system is not None else []) + [
             dict(role="user", content=args.prompt)]

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from pagoda.config import device_type
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
@@ -26,6 +27,15 @@ class LLM:
     pass; enforce_eager=True turns CUDA graphs off. The arguments
     are EngineArgs' (shared with AsyncLLM); disable_log_stats=False logs a
     throughput/KV-usage line every 10 s while generating.
+
+    multiprocess: the engine core (scheduler, model, sampler) in a process
+    of its own, as `pagoda serve` runs it (vLLM v1's design): it steps while
+    this process detokenizes, so on a GPU the host's per-step work is
+    split over two interpreters. None (the default): on where the model
+    runs on a GPU. False keeps the core here, reachable for inspection
+    (llm.llm_engine.scheduler, .runner); on the CPU the model's threads
+    take every core, so a second process would only compete with them.
+    shutdown() stops the core's process (so does dropping the LLM).
     """
 
     def __init__(
@@ -47,17 +57,27 @@ class LLM:
         disable_log_stats: bool = True,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
+        multiprocess: bool | None = None,
         **kwargs: Any,  # any other EngineArgs field, as vLLM's LLM takes them
     ):
-        self.llm_engine = EngineArgs(
+        args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed, device=device,
             load_format=load_format, kv_cache_space=kv_cache_space, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,
             disable_log_stats=disable_log_stats,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, **kwargs,
-        ).create_engine()
+        )
+        if multiprocess is None:
+            multiprocess = device_type(args.device) == "cuda"
+        if not isinstance(multiprocess, bool):
+            raise ValueError(f"multiprocess must be a bool or None, got {multiprocess!r}")
+        self.llm_engine = args.create_engine(multiprocess)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the engine (its core's process, its workers' processes)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

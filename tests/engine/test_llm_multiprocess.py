@@ -1,0 +1,138 @@
+"""The offline LLM with its engine core in a process of its own
+(multiprocess=True, the default on a GPU): the same outputs as the core in
+process -- text, token ids, stop strings, n > 1, logprobs, seeded sampling --
+bad requests fail alone, a core that dies ends generate() with an error
+(no hang), and shutdown or dropping the LLM stops the process."""
+
+import gc
+import os
+import signal
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.engine.core_client import EngineCoreDiedError
+
+ENGINE_ARGS = dict(dtype="float32", device="cpu", kv_cache_space=0.05, max_num_seqs=4)
+PROMPTS = ["héllo wörld, hello", "世界 你好", "The quick brown fox", "naïve café 🙂", "STOP here; ### end"]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["o", "é"]),  # ended by the front end
+    SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, include_stop_str_in_output=True, stop=[" "]),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, hf_tokenizer):
+    """A tiny random Llama whose vocabulary covers the test tokenizer's."""
+    import transformers
+    from checkpoints import LLAMA_LIKE, random_hf_model, save_checkpoint
+
+    model = random_hf_model(transformers.LlamaConfig(**dict(LLAMA_LIKE, vocab_size=len(hf_tokenizer) + 8)))
+    folder = str(tmp_path_factory.mktemp("llama-text"))
+    save_checkpoint(model, folder)
+    hf_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def completions(outputs):
+    return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+def test_outputs_equal_the_in_process_core(folder):
+    want = LLM(folder, multiprocess=False, **ENGINE_ARGS).generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    try:
+        pid = llm.llm_engine.core_pid
+        assert pid is not None and pid != os.getpid()
+        got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert completions(got) == completions(want)
+        assert [o.prompt_token_ids for o in got] == [o.prompt_token_ids for o in want]
+        # The stop string cut the second prompt's completion before max_tokens.
+        assert got[1].outputs[0].finish_reason == "stop" and len(got[1].outputs[0].token_ids) < 24
+        # Again on the same core: request ids and the core's state carry over.
+        assert completions(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == completions(want)
+    finally:
+        llm.shutdown()
+    assert not _alive(pid)
+
+
+def test_the_core_process_is_not_reachable_from_here(folder):
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    try:
+        with pytest.raises(RuntimeError, match="another process"):
+            llm.llm_engine.scheduler
+        # What the core's start-up decided reached the front end.
+        assert llm.llm_engine.model_config.device.type == "cpu"
+        assert llm.llm_engine.async_scheduling is False
+    finally:
+        llm.shutdown()
+
+
+def test_a_bad_request_fails_alone(folder):
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    try:
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate(["hello", "world"], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=-1)],
+                         use_tqdm=False)
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate([[10**6]], SamplingParams(max_tokens=4), use_tqdm=False)
+        out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 5
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_a_tokenizer_past_the_models_vocabulary_fails_the_request_alone(make_checkpoint, multiprocess):
+    """make_checkpoint's model has 256 ids, its tokenizer 330: a text that
+    encodes past 255 is refused up front, not an index error in a step."""
+    llm = LLM(make_checkpoint("llama")[1], multiprocess=multiprocess, **ENGINE_ARGS)
+    try:
+        tokenizer = llm.get_tokenizer()
+        text = next(t for t in PROMPTS if max(tokenizer.encode(t)) >= 256)
+        with pytest.raises(ValueError, match="does not match the model"):
+            llm.generate([text], SamplingParams(max_tokens=4), use_tqdm=False)
+        fits = [[5, 6, 7]]
+        assert len(llm.generate(fits, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+                   .outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_core_ends_generate_with_an_error(folder):
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    pid = llm.llm_engine.core_pid
+    llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineCoreDiedError):
+        llm.generate(["hello"] * 3, SamplingParams(max_tokens=2000, ignore_eos=True), use_tqdm=False)
+    with pytest.raises(EngineCoreDiedError):  # at once, not a hang
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+
+
+def test_dropping_the_llm_stops_its_core(folder):
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    pid = llm.llm_engine.core_pid
+    del llm
+    gc.collect()
+    assert not _alive(pid)
+
+
+def test_the_cpu_keeps_the_core_in_process(folder):
+    llm = LLM(folder, **ENGINE_ARGS)
+    assert llm.llm_engine.core_pid is None and llm.llm_engine.scheduler is not None
+    with pytest.raises(ValueError, match="multiprocess"):
+        LLM(folder, multiprocess="yes", **ENGINE_ARGS)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
