@@ -7,6 +7,7 @@ first run compiles Triton kernels into the cache, the second is a warm
 machine's start.
 
   PYTHONPATH=python python tools/benchmarks/bench_startup.py --model-shape Qwen3-0.6B [--tokenizer DIR] [--top 30|0]
+      [--multiprocess | --no-multiprocess]  (LLM's default: the core in a process of its own on a GPU)
 """
 
 import argparse
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--model-shape", default="Qwen3-0.6B")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--top", type=int, default=30, help="functions to list; 0: no profile (cProfile slows Python)")
+    parser.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
     started = time.perf_counter()
     profile = cProfile.Profile()
@@ -34,7 +36,7 @@ def main() -> None:
 
     imported = time.perf_counter()
     llm = LLM(model_shape_path(args.model_shape), load_format="dummy", tokenizer=args.tokenizer,
-              skip_tokenizer_init=args.tokenizer is None)
+              skip_tokenizer_init=args.tokenizer is None, multiprocess=args.multiprocess)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     ready = time.perf_counter()
