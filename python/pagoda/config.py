@@ -163,6 +163,15 @@ class ModelConfig:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
+    def adopt_core_start(self, ready) -> None:
+        """What an engine core in another process decided at start-up (its
+        EngineCoreReady), into this front end's config: max_model_len (it
+        may be fitted to the KV cache), the dtype and the device the model
+        runs in."""
+        self.max_model_len = ready.max_model_len
+        self.torch_dtype = getattr(torch, ready.dtype)
+        self.device = torch.device(ready.device)
+
     def _load_hf_config(self):
         if self.gguf_file:
             from pagoda.transformers_utils.gguf_config import load_gguf_config

@@ -41,8 +41,7 @@ from pagoda.engine.core_client import EngineCoreDiedError, InprocClient, MPClien
 from pagoda.engine.core_messages import EngineCoreOutputs, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, OutputProcessorResult
-from pagoda.engine.processor import (Processor, adopt_core_start, eos_token_ids, front_end_model_config,
-                                     load_tokenizer)
+from pagoda.engine.processor import Processor, eos_token_ids, front_end_model_config, load_tokenizer
 from pagoda.logger import init_logger
 from pagoda.outputs import CompletionOutput, RequestOutput, RequestOutputKind  # noqa: F401 -- re-exported
 from pagoda.sampling_params import SamplingParams
@@ -225,7 +224,7 @@ class AsyncLLM:
             if process is not None:
                 process.kill()
             raise
-        adopt_core_start(model_config, self.client.ready)
+        model_config.adopt_core_start(self.client.ready)
         self.client.start()
         if process is not None:
             # A caller that never calls shutdown() must not leave the core

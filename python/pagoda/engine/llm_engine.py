@@ -21,8 +21,7 @@ from typing import Any, Iterable
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.output_processor import OutputProcessor, OutputProcessorResult
-from pagoda.engine.processor import (Processor, adopt_core_start, eos_token_ids, front_end_model_config,
-                                     load_tokenizer)
+from pagoda.engine.processor import Processor, eos_token_ids, front_end_model_config, load_tokenizer
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 
@@ -47,7 +46,7 @@ class LLMEngine:
         self._init_front_end(model_config)
         self.core = None
         self.client = SyncMPClient(args, self.eos_token_ids)
-        adopt_core_start(model_config, self.client.ready)
+        model_config.adopt_core_start(self.client.ready)
         weakref.finalize(self, self.client.shutdown, 10.0)
         return self
 

@@ -13,8 +13,6 @@ import dataclasses
 import time
 from typing import Any
 
-import torch
-
 from pagoda.config import ModelConfig
 from pagoda.engine.core_messages import EngineCoreRequest
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -32,15 +30,6 @@ def front_end_model_config(args) -> ModelConfig:
     not hold here). What start-up decides (max_model_len, dtype, device)
     comes from the core's ready message."""
     return dataclasses.replace(args, device="cpu", quantization="none").create_model_config()
-
-
-def adopt_core_start(model_config: ModelConfig, ready) -> None:
-    """What the core's start-up decided (EngineCoreReady), into the front
-    end's model config: max_model_len (it may be fitted to the KV cache),
-    the dtype and the device the model runs in."""
-    model_config.max_model_len = ready.max_model_len
-    model_config.torch_dtype = getattr(torch, ready.dtype)
-    model_config.device = torch.device(ready.device)
 
 
 def load_tokenizer(model_config: ModelConfig):
