@@ -19,9 +19,15 @@ import pytest
 import transformers
 from checkpoints import QWEN3_TOKENIZER
 
+import torch
+
+from pagoda.benchmarks.datasets import special_token_ids
 from pagoda.config import ModelConfig
+from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.engine.processor import load_tokenizer
-from pagoda.transformers_utils.gguf_config import load_gguf_config
+from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
+from pagoda.model_executor.model_loader import get_model
+from pagoda.transformers_utils.gguf_config import GGUFModelConfig, load_gguf_config
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.transformers_utils.gguf_reader import read_gguf_header
 from pagoda.transformers_utils.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer
@@ -195,28 +201,87 @@ def test_reader_rejects_bad_files(tmp_path):
         read_gguf_header(str(old))
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama_untied", "llama_no_vocab_size", "mistral_name", "qwen2",
-                                     "qwen3", "one_element_array", "no_token_ids"])
-def test_config_matches_transformers(tmp_path, variant):
+class Recorder:
+    """A config whose attribute reads are written down (the attributes the
+    engine reads, whatever code reads them)."""
+
+    def __init__(self, config):
+        self._config, self.names = config, set()
+
+    def __getattr__(self, name):
+        self.names.add(name)
+        return getattr(self._config, name)
+
+
+MISSING = object()
+
+
+def assert_same_config(path, theirs):
+    """Our config of the GGUF at `path` against transformers' (`theirs`): every attribute Pagoda reads building the engine and the model (set
+    or not, by any code) is equal in both, every attribute ours holds equals
+    transformers', and to_transformers() is transformers' config itself."""
+    ours = load_gguf_config(path)
+    recorder = Recorder(ours)
+    get_model("unused", recorder, torch.float32, load_format="dummy")
+    verify_tensor_parallel(recorder, 1)
+    special_token_ids(recorder)
+    assert isinstance(ModelConfig(model=path, device="cpu").hf_config, GGUFModelConfig)
+    read = recorder.names | set(ENGINE_FIELDS)
+    assert {name: getattr(ours, name, MISSING) for name in read} == {name: getattr(theirs, name, MISSING)
+                                                                      for name in read}
+    assert rope_parameters_from_config(ours) == rope_parameters_from_config(theirs)
+    assert ours.to_dict() == {name: getattr(theirs, name) for name in ours.to_dict()}
+    converted = ours.to_transformers()
+    assert type(converted) is type(theirs) and vars(converted) == vars(theirs)
+
+
+# What ModelConfig, the processor and the benchmarks read from a config
+# (the model's reads are recorded above).
+ENGINE_FIELDS = ("model_type", "architectures", "vocab_size", "max_position_embeddings", "dtype",
+                 "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_sliding_window", "sliding_window")
+
+OPTIONAL_KEYS = ("context_length", "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon",
+                 "rope.dimension_count")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["full", "untied", "no_vocab_size", "one_element_array", "no_token_ids",
+                                     "no_optional_keys"])
+def test_config_matches_transformers(tmp_path, arch, variant):
+    """Our config against transformers' for every architecture, and where
+    the file leaves a field out (the config class's default)."""
     V = gguf.GGUFValueType
-    kwargs = dict(SPECIAL)
-    if variant == "llama_untied":
+    kwargs = dict(SPECIAL, arch="llama", name="mistral") if arch == "mistral" else dict(SPECIAL, arch=arch)
+    file_arch = kwargs["arch"]
+    if variant == "untied":
         kwargs["tied"] = False
-    elif variant == "llama_no_vocab_size":
+    elif variant == "no_vocab_size":
         kwargs["drop"] = ("vocab_size",)
-    elif variant == "mistral_name":
-        kwargs["name"] = "mistral"
-    elif variant in ("qwen2", "qwen3"):
-        kwargs["arch"] = variant
     elif variant == "one_element_array":
-        kwargs.update(drop=("attention.head_count_kv",), extra=[("llama.attention.head_count_kv", [2], V.ARRAY)])
+        kwargs.update(drop=("attention.head_count_kv",),
+                      extra=[(f"{file_arch}.attention.head_count_kv", [2], V.ARRAY)])
     elif variant == "no_token_ids":
-        kwargs = {}
+        kwargs = {k: v for k, v in kwargs.items() if k not in SPECIAL}
+    elif variant == "no_optional_keys":
+        # 32 heads: the classes' default KV heads (8 or 32) must divide them.
+        kwargs.update(drop=OPTIONAL_KEYS + ("attention.head_count",),
+                      extra=[(f"{file_arch}.attention.head_count", 32, V.UINT32)])
     path = write_gguf(tmp_path / f"{variant}.gguf", **kwargs)
-    ours, theirs = load_gguf_config(path), transformers_config(path)
-    assert type(ours) is type(theirs)
-    assert vars(ours) == vars(theirs)
-    assert ours.to_dict() == theirs.to_dict()
+    assert_same_config(path, transformers_config(path))
+
+
+def test_config_overrides_apply():
+    config = GGUFModelConfig("folder", model_type="llama", num_hidden_layers=30)
+    config.update({"num_hidden_layers": 2})
+    assert config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("key", ["block_count", "feed_forward_length", "embedding_length", "attention.head_count"])
+def test_config_rejects_missing_shape(tmp_path, key):
+    """transformers would give Llama-2-7B's default there; a file without it is broken."""
+    path = write_gguf(tmp_path / "t.gguf", drop=(key,), **SPECIAL)
+    with pytest.raises(ValueError, match=f"lacks llama.{key}"):
+        load_gguf_config(path)
 
 
 def test_config_rejects_other_architectures(tmp_path):
@@ -312,10 +377,8 @@ def smollm2():
 
 
 def test_smollm2_config_and_tokenizer_match_transformers(smollm2):
-    theirs = transformers_config(smollm2)
-    ours = load_gguf_config(smollm2)
-    assert vars(ours) == vars(theirs)
-    assert_same_tokenizer(load_gguf_tokenizer(smollm2, ours), transformers_tokenizer(smollm2))
+    assert_same_config(smollm2, transformers_config(smollm2))
+    assert_same_tokenizer(load_gguf_tokenizer(smollm2, load_gguf_config(smollm2)), transformers_tokenizer(smollm2))
 
 
 def test_smollm2_config_reads_metadata_compactly(smollm2):
