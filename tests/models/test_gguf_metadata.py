@@ -5,21 +5,22 @@ against gguf's GGUFReader on every value type, the config field by field,
 the tokenizer's backend, settings and token ids on a varied corpus (SmolLM2's
 real file, Qwen3's real 151k vocabulary written as a GGUF, small files for
 each split pattern and token kind), and the serving path never building a
-GGUFReader."""
+GGUFReader nor importing a transformers config class (in a fresh process)."""
 
 import importlib.util
 import lzma
 import json
 import os
+import subprocess
+import sys
 import tracemalloc
 
 import gguf
 import numpy as np
 import pytest
+import torch
 import transformers
 from checkpoints import QWEN3_TOKENIZER
-
-import torch
 
 from pagoda.benchmarks.datasets import special_token_ids
 from pagoda.config import ModelConfig
@@ -362,6 +363,36 @@ def test_serving_path_builds_no_gguf_reader(tmp_path, monkeypatch):
     assert weights["model.norm.weight"].tolist() == list(range(64))
 
 
+# Modules the serving path of a GGUF must not import: any transformers config
+# class imports the others on the way (61 MB of the process; docs/BENCHMARKS.md).
+HEAVY_MODULES = ("transformers.models.llama.configuration_llama", "transformers.models.mistral.configuration_mistral",
+                 "transformers.models.qwen2.configuration_qwen2", "transformers.models.qwen3.configuration_qwen3",
+                 "transformers.activations", "torch.distributed.tensor", "sympy", "accelerate")
+
+
+def imported_heavy_modules(script: str, path: str) -> list[str]:
+    """Runs `script` (which has `path` as PATH) in a fresh interpreter; the
+    HEAVY_MODULES it left in sys.modules."""
+    check = f"import sys\nPATH = {path!r}\n{script}\nprint([m for m in {HEAVY_MODULES!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return eval(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_serving_config_and_tokenizer_import_no_config_class(tmp_path, arch):
+    path = write_gguf(tmp_path / "t.gguf", arch=arch, chat_template=CHAT, **SPECIAL)
+    script = """
+from pagoda.config import ModelConfig
+from pagoda.engine.processor import load_tokenizer
+tokenizer = load_tokenizer(ModelConfig(model=PATH, device="cpu"))
+assert tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content": "the 123"}], tokenize=True,
+                                                      add_generation_prompt=True)).endswith("assistant\\n")
+"""
+    assert imported_heavy_modules(script, path) == []
+
+
 # --- the real model -----------------------------------------------------------
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -395,3 +426,14 @@ def test_smollm2_config_reads_metadata_compactly(smollm2):
     finally:
         tracemalloc.stop()
     assert peak < 40e6, f"{peak / 1e6:.0f} MB"
+
+
+def test_smollm2_serving_imports_no_config_class(smollm2):
+    """The whole offline engine on the real file, a chat request included."""
+    script = """
+from pagoda import LLM, SamplingParams
+llm = LLM(model=PATH, max_model_len=256, kv_cache_space=0.05)
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+assert "Paris" in llm.chat(messages, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].outputs[0].text
+"""
+    assert imported_heavy_modules(script, smollm2) == []
