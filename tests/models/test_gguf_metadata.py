@@ -393,6 +393,15 @@ assert tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content
     assert imported_heavy_modules(script, path) == []
 
 
+def test_hf_baseline_builds_transformers_model_from_gguf_config(tmp_path):
+    """--hf-baseline with dummy weights hands transformers its own config."""
+    from pagoda.benchmarks.hf_baseline import load_hf_model
+
+    path = write_gguf(tmp_path / "t.gguf", arch="qwen2", **SPECIAL)
+    model = load_hf_model(ModelConfig(model=path, load_format="dummy", device="cpu"), torch.device("cpu"))
+    assert type(model) is transformers.Qwen2ForCausalLM and model.config.num_hidden_layers == 2
+
+
 # --- the real model -----------------------------------------------------------
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -437,3 +446,4 @@ messages = [{"role": "user", "content": "What is the capital of France?"}]
 assert "Paris" in llm.chat(messages, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].outputs[0].text
 """
     assert imported_heavy_modules(script, smollm2) == []
+

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from pagoda.benchmarks.datasets import SampleRequest
 from pagoda.config import ModelConfig
-from pagoda.transformers_utils.gguf_config import GGUFModelConfig
 
 
 def load_hf_model(model_config: ModelConfig, device: torch.device):
@@ -27,7 +26,7 @@ def load_hf_model(model_config: ModelConfig, device: torch.device):
     dtype = model_config.torch_dtype
     if model_config.load_format == "dummy":
         config = model_config.hf_config
-        if isinstance(config, GGUFModelConfig):  # Pagoda's own reading of a GGUF
+        if hasattr(config, "to_transformers"):  # a GGUF's config is Pagoda's own (GGUFModelConfig)
             config = config.to_transformers()
         with torch.device(device):  # random init right on the device
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
