@@ -112,8 +112,9 @@ class GGUFModelConfig:
         raw = gguf_config_dict(header)
         arch = header.architecture
         missing = [f"{arch}.{key}" for key in _REQUIRED_KEYS if _ARCH_KEYS[key] not in raw]
-        if missing or "vocab_size" not in raw:
-            missing += [] if "vocab_size" in raw else [f"{arch}.vocab_size (or tokenizer.ggml.tokens)"]
+        if "vocab_size" not in raw:
+            missing.append(f"{arch}.vocab_size (or tokenizer.ggml.tokens)")
+        if missing:
             raise ValueError(f"{header.path}: the GGUF metadata lacks {', '.join(missing)}")
         fields = _COMMON_DEFAULTS | _CLASS_DEFAULTS[raw["model_type"]] | raw
         if fields.get("num_key_value_heads", 0) is None:
