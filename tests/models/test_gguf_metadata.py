@@ -21,6 +21,8 @@ import pytest
 import torch
 import transformers
 from checkpoints import QWEN3_TOKENIZER
+from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from pagoda.benchmarks.datasets import special_token_ids
 from pagoda.config import ModelConfig
@@ -31,7 +33,7 @@ from pagoda.model_executor.model_loader import get_model
 from pagoda.transformers_utils.gguf_config import GGUFModelConfig, load_gguf_config
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.transformers_utils.gguf_reader import read_gguf_header
-from pagoda.transformers_utils.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer
+from pagoda.transformers_utils.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer, tokenizer_class
 
 CORPUS = [
     "Hello world! What is the capital of France?",
@@ -234,6 +236,7 @@ def assert_same_config(path, theirs):
     assert ours.to_dict() == {name: getattr(theirs, name) for name in ours.to_dict()}
     converted = ours.to_transformers()
     assert type(converted) is type(theirs) and vars(converted) == vars(theirs)
+    assert tokenizer_class(ours.model_type) is TOKENIZER_MAPPING.get(type(theirs), TokenizersBackend)
 
 
 # What ModelConfig, the processor and the benchmarks read from a config
@@ -364,7 +367,7 @@ def test_serving_path_builds_no_gguf_reader(tmp_path, monkeypatch):
 
 
 # Modules the serving path of a GGUF must not import: any transformers config
-# class imports the others on the way (61 MB of the process; docs/BENCHMARKS.md).
+# class imports the others on the way (about 52 MB of the process; docs/BENCHMARKS.md).
 HEAVY_MODULES = ("transformers.models.llama.configuration_llama", "transformers.models.mistral.configuration_mistral",
                  "transformers.models.qwen2.configuration_qwen2", "transformers.models.qwen3.configuration_qwen3",
                  "transformers.activations", "torch.distributed.tensor", "sympy", "accelerate")

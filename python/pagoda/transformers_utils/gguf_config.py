@@ -4,8 +4,8 @@ gguf_file=name)), field by field, for the architectures the GGUF loader
 reads, without transformers parsing the file (its reader holds every field
 as numpy objects, about 160 MB for SmolLM2's tokenizer) and without
 importing transformers' config classes: any of them imports
-torch.distributed.tensor and sympy on the way (61 MB of a serving process;
-docs/BENCHMARKS.md)."""
+torch.distributed.tensor, sympy and accelerate on the way (about 52 MB of a
+serving process; docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
