@@ -25,8 +25,11 @@ def load_hf_model(model_config: ModelConfig, device: torch.device):
 
     dtype = model_config.torch_dtype
     if model_config.load_format == "dummy":
+        config = model_config.hf_config
+        if hasattr(config, "to_transformers"):  # a GGUF's config is Pagoda's own (GGUFModelConfig)
+            config = config.to_transformers()
         with torch.device(device):  # random init right on the device
-            model = AutoModelForCausalLM.from_config(model_config.hf_config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     elif model_config.gguf_file:
         model = AutoModelForCausalLM.from_pretrained(model_config.folder, gguf_file=model_config.gguf_file, dtype=dtype)
     else:

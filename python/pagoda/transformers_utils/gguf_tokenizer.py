@@ -129,25 +129,34 @@ def tokenizer_settings(header: GGUFHeader) -> dict:
     return settings
 
 
-def load_gguf_tokenizer(path: str | Path, hf_config):
-    """The tokenizer of the GGUF file at `path` whose config is `hf_config`
-    (the class transformers picks for that config)."""
-    from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+def tokenizer_class(model_type: str):
+    """The tokenizer class transformers picks for a model type, from its
+    table of class names: importing the tokenizer class alone, not the
+    model's config class (which AutoTokenizer's mapping by config class
+    would import, and with it sympy and torch.distributed.tensor)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    return tokenizer_class_from_name(name) if name else TokenizersBackend
+
+
+def load_gguf_tokenizer(path: str | Path, hf_config):
+    """The tokenizer of the GGUF file at `path` whose config is `hf_config`
+    (the class transformers picks for that config's model type)."""
     path = Path(path)
     header = read_gguf_header(str(path), _STRING_ARRAYS)
     if not builds_natively(header):
+        from transformers import AutoTokenizer
+
         logger.info("GGUF tokenizer model %r: built by transformers", header.metadata.get("tokenizer.ggml.model"))
         del header
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     backend = build_backend(header)
     settings = tokenizer_settings(header)
     del header  # the token and merge lists, before the class copies the backend
-    cls = TOKENIZER_MAPPING.get(type(hf_config), TokenizersBackend)
-    tokenizer = cls(tokenizer_object=backend, name_or_path=str(path.parent), **settings)
+    tokenizer = tokenizer_class(hf_config.model_type)(tokenizer_object=backend, name_or_path=str(path.parent),
+                                                      **settings)
     del backend  # the class keeps a copy
     return_freed_heap()
     return tokenizer
-
