@@ -250,7 +250,7 @@ def llama_decoder_layers(
     embeddings. Per layer: weights = (qkv, o, post-attention norm, gate_up,
     down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down)
     or DENSE_WEIGHT,
-    kv_caches = (key cache, value cache). quantize_input: the Q4_0/Q4_1/Q8_0
+    kv_caches = (key cache, value cache). quantize_input: the packed
     linears multiply inputs rounded to int8 (gguf_linear's; their weights in
     the panel layout of gguf_to_panels).
     llama_decoder_layers_reference is the same in torch."""
