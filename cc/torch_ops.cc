@@ -122,20 +122,10 @@ void linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weig
                        a.dtype);
 }
 
-// The int8 path (quantize_input, and its panel layout) covers the 32-value
-// formats only: `what` and then this error for any other.
-void check_int8_format(int64_t weight_type, const char* what) {
-  const GgufBlock block = gguf_block(weight_type);
-  TORCH_CHECK_VALUE(block.values == kGgufBlock, what, " for Q4_0, Q4_1 and Q8_0, not ", block.name);
-}
-
-constexpr const char* kPanelsExist = "panels (the int8 path's layout) exist";
-
 void gguf_linear_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t weight_type,
                      const c10::optional<at::Tensor>& bias, bool quantize_input) {
   check_cpu(input, "input");
   GgufLinearArgs a = check_gguf_linear(out, input, weight, weight_type, bias);
-  if (quantize_input) check_int8_format(weight_type, "quantize_input (int8 blocks) is implemented");
   cpu_kernels().gguf_linear(static_cast<float*>(a.out.data), a.out.stride, static_cast<const float*>(a.input.data),
                             a.input.stride, a.weight, static_cast<cpu::GgufType>(weight_type), a.bias, a.M, a.N,
                             a.K, quantize_input);
@@ -153,7 +143,6 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
                     "out must have shape ids.shape + [embedding_dim], got ", out.sizes(), " for ids ", ids.sizes());
   Rows out_rows = as_rows(out, "out");
   check_gguf_weight(weight, weight_type, out_rows.width);
-  if (panels) check_int8_format(weight_type, kPanelsExist);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) {
     TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < weight.size(0), "ids[", i, "] = ", id[i], " is outside the table's [0, ",
@@ -166,7 +155,6 @@ void gguf_embedding_cpu(at::Tensor& out, const at::Tensor& ids, const at::Tensor
 void gguf_to_panels_cpu(at::Tensor& weight, int64_t weight_type, int64_t in_features) {
   check_cpu(weight, "weight");
   check_gguf_weight(weight, weight_type, in_features);
-  check_int8_format(weight_type, kPanelsExist);
   cpu_kernels().gguf_to_panels(weight.data_ptr(), static_cast<cpu::GgufType>(weight_type), weight.size(0),
                                in_features);
 }
@@ -176,16 +164,14 @@ void gguf_to_panels_cpu(at::Tensor& weight, int64_t weight_type, int64_t in_feat
 // types.
 constexpr int64_t kDenseWeight = -1;
 
-// quantize_input: the 32-value GGUF formats multiply int8 inputs (the
-// K-quants have no int8 kernel and take fp32 ones).
+// quantize_input: the GGUF formats multiply int8 inputs.
 void layer_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t weight_type,
                   bool quantize_input) {
   const c10::optional<at::Tensor> no_bias;
   if (weight_type == kDenseWeight) {
     linear_cpu(out, input, weight, no_bias);
   } else {
-    gguf_linear_cpu(out, input, weight, weight_type, no_bias,
-                    quantize_input && gguf_block(weight_type).values == kGgufBlock);
+    gguf_linear_cpu(out, input, weight, weight_type, no_bias, quantize_input);
   }
 }
 

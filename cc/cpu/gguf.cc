@@ -25,10 +25,14 @@
 //   maddubs on 8 rows.
 //
 // The K-quants (Q4_K, Q6_K) pack 256 values per super-block, with a scale
-// (Q4_K: and a minimum) per sub-block of 32 (Q6_K: of 16) values. They take
-// the fp32 path only: a super-block's scales are decoded once per weight row,
-// then its eight sub-blocks of 32 go through the same tiles as the 32-value
-// formats, again to exactly gguf_dequantize_reference's fp32 values.
+// (Q4_K: and a minimum) per sub-block of 32 (Q6_K: of 16) values. On the
+// fp32 path a super-block's scales are decoded once per weight row, then its
+// eight sub-blocks of 32 go through the same tiles as the 32-value formats,
+// again to exactly gguf_dequantize_reference's fp32 values. On the int8 path
+// each sub-block of 32 meets one int8 input block: Q4_K as Q4_1 with d * sc
+// and -dmin * m for d and m, Q6_K with one integer sum per half of 16 values
+// (its scales' span), the -32 offset folded into it with the input half's
+// sum (QBlock::low).
 //
 // Threads split the output rows (weight rows) into contiguous ranges, the same
 // for every chunk of input rows, so a thread's weight rows stay in its caches
@@ -381,10 +385,18 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// An input block quantized to int8: x ~ d * q; sum = sum(q), s = d * sum.
+inline int32_t hsum8(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+// An input block quantized to int8: x ~ d * q; sum = sum(q), s = d * sum,
+// low = the sum of q's first 16 (Q6_K's scale halves).
 struct QBlock {
   float d, s;
-  int32_t sum;
+  int32_t sum, low;
   int8_t q[kBlock];
 };
 
@@ -408,24 +420,24 @@ inline void quantize_block(const float* x, QBlock* out) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q), ordered);
-  const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-  out->sum = _mm_cvtsi128_si32(s4);
+  const __m256i low = _mm256_add_epi32(q[0], q[1]);
+  out->low = hsum8(low);
+  out->sum = out->low + hsum8(_mm256_add_epi32(q[2], q[3]));
   out->s = out->d * static_cast<float>(out->sum);
 }
 
-// The panel layout of the int8 path (Q4_0, Q4_1, Q8_0), byte for byte the
-// size of the file's: each whole group of kPanelRows weight rows becomes one
-// panel, in the same bytes, holding the 16 rows' blocks transposed so that a
-// 512-bit load gives a vector with one row per 32-bit lane:
+// The panel layout of the int8 path, byte for byte the size of the file's:
+// each whole group of kPanelRows weight rows becomes one panel, in the same
+// bytes, holding the 16 rows' blocks transposed so that a 512-bit load gives
+// a vector with one row per 32-bit lane:
 //   nb x kVectors vectors of 64 bytes: block b's vector j, lane n = row n's
-//     quant bytes 4j..4j+3 (Q4: packed as in the file, byte i holding
-//     element i in its low nibble and i + 16 in its high one; Q8_0: q + 128,
-//     unsigned);
-//   then nb x 16 fp16 d (block b's at 32 b);
-//   Q4_1: then nb x 16 fp16 minimums m.
+//     bytes 4j..4j+3 of the block without its fp16 fields, in file order
+//     (Q4_0/Q4_1: 4 vectors of quants packed as in the file, byte i holding
+//     element i in its low nibble and i + 16 in its high one; Q8_0: 8, q +
+//     128, unsigned; Q4_K: 3 of 6-bit scales and minimums, then 32 of quants;
+//     Q6_K: 32 of low 4 bits, 16 of high 2 bits, 4 of int8 scales);
+//   then per fp16 field (d; Q4_1 m; Q4_K dmin) nb x 16 fp16 (block b's at
+//     32 b).
 // The rows past the last whole group stay as in the file (the kernel builds
 // their panel per call).
 constexpr int64_t kPanelRows = 16;
@@ -433,8 +445,9 @@ constexpr int64_t kPanelRows = 16;
 template <GgufType F>
 struct PanelLayout {
   static constexpr int64_t kBlockBytes = BlockTraits<F>::kBytes;
-  static constexpr int kHeadBytes = F == GgufType::kQ4_1 ? 4 : 2;  // d (and m) before the quants
-  static constexpr int kVectors = (kBlockBytes - kHeadBytes) / 4;   // 4 (Q4) or 8 (Q8_0)
+  static constexpr int kFp16At = F == GgufType::kQ6_K ? 208 : 0;  // the fp16 fields' bytes in a block
+  static constexpr int kFp16Bytes = F == GgufType::kQ4_1 || F == GgufType::kQ4_K ? 4 : 2;
+  static constexpr int kVectors = (kBlockBytes - kFp16Bytes) / 4;
 };
 
 // Byte offset within a panel of row n's byte i (< kBlockBytes, in the file's
@@ -442,16 +455,17 @@ struct PanelLayout {
 template <GgufType F>
 inline int64_t panel_offset(int64_t nb, int64_t n, int64_t b, int i) {
   using L = PanelLayout<F>;
-  if (i >= L::kHeadBytes) {
-    const int q = i - L::kHeadBytes;
+  if (i < L::kFp16At || i >= L::kFp16At + L::kFp16Bytes) {
+    const int q = i < L::kFp16At ? i : i - L::kFp16Bytes;
     return (b * L::kVectors + q / 4) * 64 + n * 4 + q % 4;
   }
-  return nb * L::kVectors * 64 + ((i / 2) * nb + b) * 2 * kPanelRows + n * 2 + i % 2;
+  const int f = i - L::kFp16At;
+  return nb * L::kVectors * 64 + ((f / 2) * nb + b) * 2 * kPanelRows + n * 2 + f % 2;
 }
 
 template <GgufType F>
 inline uint8_t to_panel_byte(int i, uint8_t byte) {
-  return F == GgufType::kQ8_0 && i >= PanelLayout<F>::kHeadBytes ? byte ^ 0x80 : byte;
+  return F == GgufType::kQ8_0 && i >= PanelLayout<F>::kFp16Bytes ? byte ^ 0x80 : byte;
 }
 
 // `rows` (<= kPanelRows) rows as in the file, row_bytes apart, into one
@@ -543,13 +557,14 @@ void multiply(const Tile& tile, float* out, int64_t out_stride, const float* bia
   }
 }
 
-// The int8 path of the 32-value formats, W in the panel layout.
+// The int8 path, W in the panel layout (nb blocks a row).
 template <GgufType F>
 void gguf_linear_int8(float* out, int64_t out_stride, const float* input, int64_t input_stride,
                       const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb) {
-  QBlock* x = new QBlock[M * nb];
+  const int64_t nbx = K / kBlock;
+  QBlock* x = new QBlock[M * nbx];
   vec::parallel_for_rows(M, K, [&](int64_t m) {
-    for (int64_t b = 0; b < nb; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nb + b);
+    for (int64_t b = 0; b < nbx; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nbx + b);
   });
 #ifdef __AVX512F__
   static const bool vnni_here = has_vnni();
@@ -572,9 +587,7 @@ void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_
   if (!quantize_input) {
     return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
   }
-  if constexpr (BlockTraits<F>::kValues == kBlock) {
-    gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb);
-  }
+  gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb);
 }
 
 template <GgufType F>
@@ -591,12 +604,10 @@ void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t gathered[kBytes];
       const uint8_t* bytes = row + b * kBytes;
-      if constexpr (BlockTraits<F>::kValues == kBlock) {
-        if (in_panel) {
-          block_from_panel<F>(weight + ids[i] / kPanelRows * kPanelRows * row_bytes, nb, ids[i] % kPanelRows, b,
-                              gathered);
-          bytes = gathered;
-        }
+      if (in_panel) {
+        block_from_panel<F>(weight + ids[i] / kPanelRows * kPanelRows * row_bytes, nb, ids[i] % kPanelRows, b,
+                            gathered);
+        bytes = gathered;
       }
       QuantBlock<F> block;
       block.load(bytes);
@@ -614,7 +625,8 @@ void gguf_embedding_impl(float* out, int64_t out_stride, const int64_t* ids, int
 // W's whole groups of kPanelRows rows, each rewritten in place as a panel.
 template <GgufType F>
 void to_panels(uint8_t* w, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row_bytes = nb * BlockTraits<F>::kBytes, panel_bytes = kPanelRows * row_bytes;
+  const int64_t nb = K / BlockTraits<F>::kValues, row_bytes = nb * BlockTraits<F>::kBytes;
+  const int64_t panel_bytes = kPanelRows * row_bytes;
   vec::parallel_for_rows(N / kPanelRows, panel_bytes, [&](int64_t g) {
     uint8_t* rows = new uint8_t[panel_bytes];
     __builtin_memcpy(rows, w + g * panel_bytes, panel_bytes);
@@ -667,8 +679,8 @@ void gguf_to_panels(void* weight, GgufType type, int64_t N, int64_t K) {
     case GgufType::kQ4_0: return to_panels<GgufType::kQ4_0>(w, N, K);
     case GgufType::kQ4_1: return to_panels<GgufType::kQ4_1>(w, N, K);
     case GgufType::kQ8_0: return to_panels<GgufType::kQ8_0>(w, N, K);
-    case GgufType::kQ4_K:
-    case GgufType::kQ6_K: return;  // no int8 path (the caller checks)
+    case GgufType::kQ4_K: return to_panels<GgufType::kQ4_K>(w, N, K);
+    case GgufType::kQ6_K: return to_panels<GgufType::kQ6_K>(w, N, K);
   }
 }
 

@@ -78,7 +78,7 @@
      [N, K] in GGUF block layout `type` (N rows of K / B blocks, K a         \
      multiple of B: 32, or 256 for the K-quants), bias [N] fp32 or null;     \
      W's blocks are dequantized in registers and multiplied in fp32, or with \
-     quantize_input (Q4_0, Q4_1, Q8_0 only; the caller checks) W is in the   \
+     quantize_input W is in the                                              \
      panel layout of gguf_to_panels and the input is first quantized to     \
      int8 per 32-element block (see cc/cpu/gguf.cc). */                      \
   void gguf_linear(float* out, int64_t out_stride, const float* input,      \
@@ -91,7 +91,7 @@
   void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids,   \
                       int64_t num_ids, const void* weight, GgufType type,    \
                       int64_t N, int64_t K, bool panels);                    \
-  /* W [N, K] (Q4_0, Q4_1, Q8_0; the caller checks) rewritten in place into  \
+  /* W [N, K] rewritten in place into                                       \
      the panel layout that gguf_linear's int8 path reads (same bytes; see    \
      cc/cpu/gguf.cc). */                                                     \
   void gguf_to_panels(void* weight, GgufType type, int64_t N, int64_t K);    \

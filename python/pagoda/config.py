@@ -129,7 +129,7 @@ class ModelConfig:
     # dequantizes them to dtype at load. "auto" is gguf wherever it applies
     # (SmolLM2: the same greedy tokens as none, a batch-1 request 4.8x
     # faster, 0.57x the peak memory; docs/BENCHMARKS.md), else none.
-    # "gguf_int8": packed as gguf, and the Q4_0/Q4_1/Q8_0 products take their
+    # "gguf_int8": packed as gguf, and their products (all five types) take their
     # inputs rounded to int8 per block of 32 (llama.cpp's way; AVX512_VNNI
     # where the CPU has it): faster at many rows, not the same tokens as none
     # (docs/BENCHMARKS.md states the tolerance). "fp8": the linear layers' weights

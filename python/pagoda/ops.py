@@ -163,8 +163,8 @@ def linear(
 # minimum, then the quants); the K-quants Q4_K, Q6_K: super-blocks of 256.
 GGUF_BLOCK = 32
 GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
-# The formats gguf_linear's quantize_input takes.
-GGUF_INT8_TYPES = tuple(t for t, (values, _) in GGUF_BLOCKS.items() if values == GGUF_BLOCK)
+# The formats gguf_linear's quantize_input takes: all of them.
+GGUF_INT8_TYPES = tuple(GGUF_BLOCKS)
 
 
 def gguf_linear(
@@ -183,8 +183,8 @@ def gguf_linear(
     (gguf_linear_reference up to the order of fp32 sums); quantize_input=True
     instead rounds x to int8 per 32-element block (scale max|x| / 127) and
     sums integer block products (llama.cpp's way; gguf_linear_reference with
-    quantize_input=True up to the order of sums), for the 32-weight formats
-    only, whose weight must then be in the panel layout (gguf_to_panels)."""
+    quantize_input=True up to the order of sums); the weight must then be in
+    the panel layout (gguf_to_panels)."""
     if out is None:
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32, device=x.device)
     torch.ops.pagoda.gguf_linear(out, x, weight, weight_type, bias, quantize_input)
@@ -203,7 +203,7 @@ def gguf_embedding(
 
 
 def gguf_to_panels(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
-    """Rewrites a Q4_0/Q4_1/Q8_0 weight uint8 [N, row bytes] in place into the
+    """Rewrites a GGUF-packed weight uint8 [N, row bytes] in place into the
     panel layout that gguf_linear's int8 path (quantize_input=True) reads:
     each whole group of 16 rows transposed so that one 512-bit load holds 16
     rows' quants (the layout: cc/cpu/gguf.cc; gguf_panels_reference), the
@@ -250,7 +250,7 @@ def llama_decoder_layers(
     embeddings. Per layer: weights = (qkv, o, post-attention norm, gate_up,
     down, next norm), weight_types = GGUF types of (qkv, o, gate_up, down)
     or DENSE_WEIGHT,
-    kv_caches = (key cache, value cache). quantize_input: the Q4_0/Q4_1/Q8_0
+    kv_caches = (key cache, value cache). quantize_input: the packed
     linears multiply inputs rounded to int8 (gguf_linear's; their weights in
     the panel layout of gguf_to_panels).
     llama_decoder_layers_reference is the same in torch."""
@@ -519,18 +519,25 @@ def gguf_fp16_offsets(weight_type: int) -> tuple[int, ...]:
     return tuple(offset for offset, _ in _GGUF_FP16_FIELDS[weight_type])
 
 
+# Where a block's fp16 fields lie, for the panel layout: (first byte, bytes).
+_PANEL_FP16_FIELDS = {2: (0, 2), 3: (0, 4), 8: (0, 2), 12: (0, 4), 14: (208, 2)}
+
+
 def _panel_sources(rows: int, row_bytes: int, weight_type: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For the panel layout of [rows, row_bytes] (the whole 16-row groups'
     bytes): the index of the file's byte each panel byte holds, and which
     panel bytes are Q8_0 quants (stored + 128)."""
     block_bytes = GGUF_BLOCKS[weight_type][1]
-    head = 4 if weight_type == 3 else 2  # the fp16 d (and m) before a block's quants
+    at, size = _PANEL_FP16_FIELDS[weight_type]
     groups, nb = rows // 16, row_bytes // block_bytes
     source = torch.arange(groups * 16 * row_bytes).reshape(groups, 16, nb, block_bytes)
-    # quants: [group, block, vector j, row, 4 bytes]; fp16s: [group, field, block, row, 2 bytes]
-    vectors = (block_bytes - head) // 4
-    quants = source[..., head:].reshape(groups, 16, nb, vectors, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb * vectors * 64)
-    fp16s = source[..., :head].reshape(groups, 16, nb, head // 2, 2).permute(0, 3, 2, 1, 4).reshape(groups, nb * head * 16)
+    # words (the bytes but the fp16 fields, in file order): [group, block, vector j, row, 4 bytes];
+    # fp16s: [group, field, block, row, 2 bytes]
+    vectors = (block_bytes - size) // 4
+    words = torch.cat([source[..., :at], source[..., at + size :]], dim=-1)
+    quants = words.reshape(groups, 16, nb, vectors, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb * vectors * 64)
+    fp16 = source[..., at : at + size]
+    fp16s = fp16.reshape(groups, 16, nb, size // 2, 2).permute(0, 3, 2, 1, 4).reshape(groups, nb * size * 16)
     offset = torch.zeros(groups, 16 * row_bytes, dtype=torch.bool)
     if weight_type == 8:
         offset[:, : quants.shape[1]] = True
@@ -564,7 +571,9 @@ def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:
     in fp32 as the kernel computes it (ties to even)."""
     blocks = x.float().reshape(*x.shape[:-1], -1, GGUF_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, 0)
+    # A tensor by a tensor: torch's scalar-by-tensor division (127 / amax)
+    # multiplies by a reciprocal, an ulp off the kernel's 127.0f / max.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0)
     return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
 
 

@@ -1,6 +1,6 @@
 """gguf_linear and gguf_embedding (GGUF-packed Q4_0, Q4_1, Q8_0 weights, and
 the K-quants Q4_K, Q6_K) against the pure-torch dequantize-then-multiply
-references, for both ways of multiplying a block (the K-quants: fp32 only).
+references, for both ways of multiplying a block.
 
 fp32 (the default): the kernel dequantizes the weight to exactly the
 reference's fp32 values and multiplies in fp32, so only the order of the fp32
@@ -29,6 +29,12 @@ from pagoda import ops
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 K_QUANTS = {"Q4_K": 12, "Q6_K": 14}
+ALL_TYPES = {**TYPES, **K_QUANTS}
+
+
+def scaled(k: int, weight_type: int) -> int:
+    """A row length of k / 32 blocks of the type (super-blocks of 256 for the K-quants)."""
+    return k * ops.GGUF_BLOCKS[weight_type][0] // ops.GGUF_BLOCK
 
 
 def magnitudes(x: torch.Tensor, weight: torch.Tensor, weight_type: int, bias=None) -> torch.Tensor:
@@ -114,22 +120,23 @@ def test_gguf_linear_int8_panels(name, m, n, k):
     check(linear(x, weight, weight_type, bias, True), x, weight, weight_type, bias, True)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ALL_TYPES)
 def test_gguf_linear_int8_input_chunks(name):
     """Input rows in several chunks (the kernel takes 256 KB of quantized
-    input rows at a time: 140 rows of 48 blocks), the last one partial."""
-    weight_type = TYPES[name]
+    input rows at a time: 116 rows of 48 blocks), the last one partial."""
+    weight_type = ALL_TYPES[name]
     weight = ops.gguf_random_blocks(40, 1536, weight_type)
     x = torch.randn(301, 1536)
     check(linear(x, weight, weight_type, quantize_input=True), x, weight, weight_type, quantize_input=True)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ALL_TYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (15, 64), (16, 32), (17, 96), (40, 64), (48, 576)])
 def test_gguf_to_panels(name, n, k):
     """The kernel's in-place repacking is the torch reference's layout, byte
     for byte, and the reference's inverse gives the file's bytes back."""
-    weight_type = TYPES[name]
+    weight_type = ALL_TYPES[name]
+    k = scaled(k, weight_type)
     weight = ops.gguf_random_blocks(n, k, weight_type)
     panels = ops.gguf_to_panels(weight.clone(), weight_type)
     assert torch.equal(panels, ops.gguf_panels_reference(weight, weight_type))
@@ -153,6 +160,22 @@ def test_gguf_panels_reference_layout():
     assert torch.equal(panels[16 * 40 :], weight[16])  # row 16: as in the file
     q8 = ops.gguf_random_blocks(16, 32, 8)
     assert torch.equal(ops.gguf_panels_reference(q8, 8).flatten()[7 * 64 + 15 * 4 :][:4], q8[15, 30:34] ^ 0x80)
+
+
+def test_gguf_panels_reference_layout_k_quants():
+    """The same for the K-quants, 16 rows of one super-block: Q4_K's d, dmin
+    (bytes 0..3) after its 35 vectors (12 bytes of scales, 128 of quants);
+    Q6_K's d (bytes 208..209) after its 52 (ql, qh, scales)."""
+    q4k = ops.gguf_random_blocks(16, 256, 12)
+    panels = ops.gguf_panels_reference(q4k, 12).flatten()
+    assert torch.equal(panels[5 * 4 :][:4], q4k[5, 4:8])  # vector 0, lane 5: the first scale bytes
+    assert torch.equal(panels[(3 + 8) * 64 + 2 * 4 :][:4], q4k[2, 16 + 32 : 16 + 36])  # quant bytes 32..35
+    assert torch.equal(panels[35 * 64 + 7 * 2 :][:2], q4k[7, 0:2])
+    assert torch.equal(panels[35 * 64 + 32 + 7 * 2 :][:2], q4k[7, 2:4])
+    q6k = ops.gguf_random_blocks(16, 256, 14)
+    panels = ops.gguf_panels_reference(q6k, 14).flatten()
+    assert torch.equal(panels[48 * 64 + 9 * 4 :][:4], q6k[9, 192:196])  # the first int8 scales
+    assert torch.equal(panels[52 * 64 + 9 * 2 :][:2], q6k[9, 208:210])
 
 
 @pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
@@ -240,15 +263,16 @@ def test_gguf_embedding(name):
         ops.gguf_embedding(torch.tensor([1, 300]), weight, weight_type, 96)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ALL_TYPES)
 def test_gguf_embedding_panels(name):
     """A table in the panel layout (a tied LM head of the int8 path): rows in
     whole panels, at their edges, and past the last one (300 = 18 x 16 + 12)."""
-    weight_type = TYPES[name]
-    weight = ops.gguf_random_blocks(300, 96, weight_type)
+    weight_type = ALL_TYPES[name]
+    k = scaled(96, weight_type)
+    weight = ops.gguf_random_blocks(300, k, weight_type)
     panels = ops.gguf_to_panels(weight.clone(), weight_type)
     ids = torch.tensor([[0, 299, 7], [15, 16, 287], [288, 150, 1]])
-    out = ops.gguf_embedding(ids, panels, weight_type, 96, panels=True)
+    out = ops.gguf_embedding(ids, panels, weight_type, k, panels=True)
     torch.testing.assert_close(out, ops.gguf_dequantize_reference(weight, weight_type)[ids], rtol=0, atol=0)
 
 
@@ -273,15 +297,29 @@ K_QUANT_SHAPES = [(m, k, n) for m in (1, 2, 3, 17, 65) for k, n in ((256, 1), (5
 K_QUANT_SHAPES += [(1, 256, 9001), (3, 256, 9001)]
 
 
+@pytest.mark.parametrize("quantize_input", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("name", K_QUANTS)
 @pytest.mark.parametrize("m,k,n", K_QUANT_SHAPES)
-def test_gguf_linear_k_quants(name, m, k, n, bias):
+def test_gguf_linear_k_quants(name, m, k, n, bias, quantize_input):
     weight_type = K_QUANTS[name]
     weight = ops.gguf_random_blocks(n, k, weight_type)
     x = torch.randn(m, k)
     b = torch.randn(n) if bias else None
-    check(ops.gguf_linear(x, weight, weight_type, b), x, weight, weight_type, b)
+    check(linear(x, weight, weight_type, b, quantize_input), x, weight, weight_type, b, quantize_input)
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 8, 9, 17])
+@pytest.mark.parametrize("n", [1, 9, 16, 17, 33, 48])
+def test_gguf_linear_k_quants_int8_panels(name, m, n):
+    """The K-quants' int8 path around the panels (as
+    test_gguf_linear_int8_panels) and the input rows from which a tile's
+    weights are decoded once per chunk (8), two super-blocks a row."""
+    weight_type = K_QUANTS[name]
+    weight = ops.gguf_random_blocks(n, 512, weight_type)
+    x, bias = torch.randn(m, 512), torch.randn(n)
+    check(linear(x, weight, weight_type, bias, True), x, weight, weight_type, bias, True)
 
 
 @pytest.mark.parametrize("name", K_QUANTS)
@@ -314,12 +352,10 @@ def test_gguf_linear_k_quants_errors():
         ops.gguf_linear(torch.randn(2, 288), weight, 14)
     with pytest.raises(ValueError, match="in_features 256 needs 1 blocks of 144 bytes"):
         ops.gguf_linear(torch.randn(2, 256), weight, 12)
-    with pytest.raises(ValueError, match="quantize_input .* not Q6_K"):
-        ops.gguf_linear(torch.randn(2, 512), weight, 14, quantize_input=True)
-    with pytest.raises(ValueError, match="panels .* not Q6_K"):
-        ops.gguf_to_panels(weight, 14)
-    with pytest.raises(ValueError, match="panels .* not Q6_K"):
-        ops.gguf_embedding(torch.tensor([0]), weight, 14, 512, panels=True)
+    with pytest.raises(ValueError, match=r"in_features \(288\) must be a multiple of Q6_K's block size 256"):
+        ops.gguf_linear(torch.randn(2, 288), weight, 14, quantize_input=True)
+    with pytest.raises(ValueError, match=r"in_features \(288\) must be a multiple of Q4_K's block size 256"):
+        torch.ops.pagoda.gguf_to_panels(ops.gguf_random_blocks(5, 512, 12), 12, 288)
 
 
 def test_gguf_opcheck():

@@ -82,7 +82,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
          help="fp8: linear weights quantized to float8 e4m3 at load, per-token activation scales, FP8 "
               "GEMMs (GPUs of CUDA capability 8.9+; bfloat16/float16); GGUF: gguf keeps Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
               "weights packed, dequantized in registers by the CPU kernels (CPU, float32, one rank); gguf_int8 as gguf with "
-              "the Q4_0/Q4_1/Q8_0 products on inputs rounded to int8 per 32 (llama.cpp's way: faster, not the same "
+              "their products on inputs rounded to int8 per 32 (llama.cpp's way: faster, not the same "
               "tokens); auto (the "
               "default) is gguf where it applies; none keeps the checkpoint's weights (GGUF dequantized to --dtype)")
     flag("--device", help="auto, cpu or cuda")

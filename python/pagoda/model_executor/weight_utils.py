@@ -95,8 +95,8 @@ def pack_parameter(param: nn.Parameter, packed: PackedWeight) -> None:
 
 
 def quantize_packed_inputs(model: nn.Module) -> int:
-    """Repacks the packed weights of the 32-value GGUF formats (Q4_0, Q4_1,
-    Q8_0; the K-quants have no int8 kernel) in place into the int8 path's
+    """Repacks the packed GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in
+    place into the int8 path's
     panel layout (ops.gguf_to_panels) and marks them (gguf_quantize_input) so
     that dense() has them multiply inputs rounded to int8 per block, and a
     table among them (a tied embedding) is looked up in that layout. Returns

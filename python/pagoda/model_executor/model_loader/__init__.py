@@ -65,7 +65,7 @@ def get_model(
     quantization="gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices packed
     (the CPU's packed kernels multiply them) on one rank; under tensor
     parallelism they are dequantized, since the packed rows are not split.
-    "gguf_int8" packs them as "gguf" and has the Q4_0/Q4_1/Q8_0 ones multiply
+    "gguf_int8" packs them as "gguf" and has them multiply
     inputs rounded to int8 (see quantize_packed_inputs).
     "fp8" quantizes the linear layers' weights to float8 once they are
     loaded (each rank its own shard); None dequantizes everything to dtype."""

@@ -135,7 +135,7 @@ class FusedLayerArgs:
     head_size: int
     scale: float
     eps: float
-    quantize_input: bool  # the Q4_0/Q4_1/Q8_0 linears take int8 inputs (quantization="gguf_int8")
+    quantize_input: bool  # the packed linears take int8 inputs (quantization="gguf_int8")
 
 
 class LlamaModel(nn.Module):
