@@ -1,15 +1,37 @@
-"""Pagoda's child processes (the engine core, workers): they end with their
-parent, so a SIGKILLed server leaves no process holding the GPU, and an
-error they hit while starting is raised in the parent as the kind the caller
-would catch in process."""
+"""Pagoda's child processes (the engine core, workers): they are spawned
+without the caller's __main__, end with their parent, so a SIGKILLed server
+leaves no process holding the GPU, and an error they hit while starting is
+raised in the parent as the kind the caller would catch in process."""
 
 from __future__ import annotations
 
 import builtins
+import multiprocessing
 import os
 import select
+import sys
 import threading
 import time
+
+_UNSET = object()
+
+
+def spawn(process: multiprocessing.Process) -> None:
+    """Starts a process of the "spawn" context (CUDA cannot be forked)
+    without running the caller's __main__ in it: multiprocessing would
+    re-run a script there, and a script that builds an LLM at its top level
+    (no `if __name__ == "__main__":` guard, as most offline scripts are
+    written) would start another engine inside the child. Pagoda's children
+    need nothing from __main__: their targets and arguments are Pagoda's."""
+    main = sys.modules["__main__"]
+    saved_file, saved_spec = main.__dict__.pop("__file__", _UNSET), main.__dict__.get("__spec__")
+    main.__spec__ = None  # with neither, spawn leaves __main__ alone in the child
+    try:
+        process.start()
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not _UNSET:
+            main.__file__ = saved_file
 
 
 def exit_with_parent() -> None:

@@ -2,11 +2,16 @@
 (multiprocess=True, the default on a GPU): the same outputs as the core in
 process -- text, token ids, stop strings, n > 1, logprobs, seeded sampling --
 bad requests fail alone, a core that dies ends generate() with an error
-(no hang), and shutdown or dropping the LLM stops the process."""
+(no hang), and shutdown, dropping the LLM or the end of the interpreter
+stops the process -- also for a script without an `if __name__ ==
+"__main__":` guard, which the spawned core must not re-run."""
 
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -120,6 +125,24 @@ def test_dropping_the_llm_stops_its_core(folder):
     del llm
     gc.collect()
     assert not _alive(pid)
+
+
+def test_an_unguarded_script_runs_and_leaves_no_process(folder, tmp_path):
+    """LLM(...) at a script's top level, no main guard, no shutdown: the
+    spawned core does not re-run the script, and it is gone at exit."""
+    script = tmp_path / "offline.py"
+    script.write_text(textwrap.dedent(f"""
+        from pagoda import LLM, SamplingParams
+        llm = LLM({folder!r}, multiprocess=True, **{ENGINE_ARGS!r})
+        out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        print("tokens", len(out[0].outputs[0].token_ids), "core", llm.llm_engine.core_pid)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("tokens"))
+    assert line.split()[1] == "4"
+    assert not _alive(int(line.split()[3]))
 
 
 def test_the_cpu_keeps_the_core_in_process(folder):

@@ -24,7 +24,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                          EngineCoreRequest, RequestType)
 from pagoda.logger import init_logger
-from pagoda.process_watch import raise_startup_error
+from pagoda.process_watch import raise_startup_error, spawn
 
 logger = init_logger(__name__)
 
@@ -121,7 +121,7 @@ def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multi
     process = context.Process(target=run_engine_core, args=(args, eos_token_ids, address, theirs),
                               # not daemonic: it spawns the worker processes of an mp executor
                               name="pagoda-engine-core")
-    process.start()
+    spawn(process)
     theirs.close()
     while not ours.poll(STARTUP_POLL_S):
         if not process.is_alive():

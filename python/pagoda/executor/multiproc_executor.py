@@ -25,7 +25,7 @@ import time
 from pagoda.executor.ranks import RankedExecutor, RankSteps, WorkerDiedError, free_port, start_worker
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.outputs import ModelRunnerOutput
-from pagoda.process_watch import exit_with_parent, raise_startup_error
+from pagoda.process_watch import exit_with_parent, raise_startup_error, spawn
 
 logger = init_logger(__name__)
 
@@ -50,7 +50,7 @@ class MultiprocExecutor(RankedExecutor):
                     args=(rank, world_size, init_method, self.model_config, self.cache_config,
                           self.scheduler_config, self.eos_token_ids, theirs),
                 )
-                process.start()
+                spawn(process)
                 theirs.close()
                 self.processes.append(process)
                 self.pipes.append(ours)
