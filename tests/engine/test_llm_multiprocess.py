@@ -7,6 +7,7 @@ stops the process -- also for a script without an `if __name__ ==
 "__main__":` guard, which the spawned core must not re-run."""
 
 import gc
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -105,6 +106,45 @@ def test_a_tokenizer_past_the_models_vocabulary_fails_the_request_alone(make_che
                    .outputs[0].token_ids) == 3
     finally:
         llm.shutdown()
+
+
+def test_the_core_starts_before_the_tokenizer_loads_and_gets_its_stop_ids(folder, monkeypatch):
+    """The core process is spawned first (it imports and loads while the
+    front end reads its tokenizer); the front end's stop ids reach it after:
+    here the id the model emits first, which must end the sequence there."""
+    import pagoda.engine.llm_engine as llm_engine
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    first = LLM(folder, multiprocess=False, **ENGINE_ARGS).generate(
+        ["hello"], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    cores_at_tokenizer_load = []
+    real_load = llm_engine.load_tokenizer
+
+    def load_tokenizer(model_config):
+        cores_at_tokenizer_load.append([p.name for p in multiprocessing.active_children()])
+        return real_load(model_config)
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(llm_engine, "eos_token_ids", lambda model_config, tokenizer: list(first.token_ids))
+    llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    try:
+        assert cores_at_tokenizer_load == [["pagoda-engine-core"]]
+        out = llm.generate(["hello"], greedy, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == first.token_ids and out.finish_reason == "stop"
+    finally:
+        llm.shutdown()
+
+
+def test_a_front_end_that_cannot_start_stops_the_core_it_started(folder, monkeypatch):
+    import pagoda.engine.llm_engine as llm_engine
+
+    def load_tokenizer(model_config):
+        raise OSError("no tokenizer here")
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", load_tokenizer)
+    with pytest.raises(OSError, match="no tokenizer here"):
+        LLM(folder, multiprocess=True, **ENGINE_ARGS)
+    assert [p.name for p in multiprocessing.active_children()] == []
 
 
 def test_a_dead_core_ends_generate_with_an_error(folder):

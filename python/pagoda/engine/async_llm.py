@@ -37,7 +37,7 @@ from collections import defaultdict
 from typing import Any, AsyncIterator
 
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.core_client import EngineCoreDiedError, InprocClient, MPClient, start_engine_core
+from pagoda.engine.core_client import CoreStart, EngineCoreDiedError, InprocClient, MPClient
 from pagoda.engine.core_messages import EngineCoreOutputs, SchedulerStats
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.output_processor import IterationStats, OutputProcessor, OutputProcessorResult
@@ -210,11 +210,18 @@ class AsyncLLM:
     def _start_process(self, args: EngineArgs, core_address: str | None = None, core_pid: int | None = None,
                        client_index: int = 0) -> None:
         self.engine = None  # the core is in another process
-        model_config = front_end_model_config(args)
-        tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
+        # Started first: the core imports and loads while this process reads its tokenizer.
+        start = CoreStart(args) if core_address is None else None
+        try:
+            model_config = front_end_model_config(args)
+            tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
+        except BaseException:
+            if start is not None:
+                start.cancel()
+            raise
         process = socket_dir = None
-        if core_address is None:
-            process, core_address, socket_dir = start_engine_core(args, eos_token_ids(model_config, tokenizer))
+        if start is not None:
+            process, core_address, socket_dir = start.finish(eos_token_ids(model_config, tokenizer))
         self._init_front_end(model_config, tokenizer, Processor(model_config, tokenizer), OutputProcessor(tokenizer),
                              args.scheduling_policy, client_index)
         try:

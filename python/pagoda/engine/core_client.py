@@ -107,35 +107,62 @@ class InprocClient:
             self.core.abort_requests(payload)
 
 
-def start_engine_core(args: EngineArgs, eos_token_ids: list[int]) -> tuple[multiprocessing.Process, str, str]:
-    """Spawns an engine-core process and waits until its model is loaded.
-    Returns (the process, its input address, the folder of its sockets, to
-    remove at the end). A core that cannot start raises here as it would in
-    process: ValueError or OSError for bad flags and model files."""
-    from pagoda.engine.core_proc import run_engine_core
+class CoreStart:
+    """An engine-core process spawned before the front end loads its own
+    config and tokenizer: the core needs the front end's stop ids only once
+    its imports and configs are done (seconds: torch, transformers), so the
+    front end's start overlaps the core's instead of preceding it. finish()
+    sends the ids and waits until the model is loaded; cancel() stops a
+    start that the front end gives up (its own start failed)."""
 
-    socket_dir = tempfile.mkdtemp(prefix="pagoda-")
-    address = f"ipc://{socket_dir}/core-input"
-    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    ours, theirs = context.Pipe(duplex=False)
-    process = context.Process(target=run_engine_core, args=(args, eos_token_ids, address, theirs),
-                              # not daemonic: it spawns the worker processes of an mp executor
-                              name="pagoda-engine-core")
-    spawn(process)
-    theirs.close()
-    while not ours.poll(STARTUP_POLL_S):
-        if not process.is_alive():
-            shutil.rmtree(socket_dir, ignore_errors=True)
-            raise EngineCoreDiedError(f"the engine core process exited with status {process.exitcode} while starting")
-    message = ours.recv()
-    ours.close()
-    if message[0] == "error":
-        process.join()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        _, kind, text = message
-        raise_startup_error(kind, text, EngineCoreDiedError, "the engine core")
-    logger.info("engine core process %d ready", process.pid)
-    return process, address, socket_dir
+    def __init__(self, args: EngineArgs):
+        from pagoda.engine.core_proc import run_engine_core
+
+        self.socket_dir = tempfile.mkdtemp(prefix="pagoda-")
+        self.address = f"ipc://{self.socket_dir}/core-input"
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        # Duplex: the stop ids go in, the start's outcome comes back.
+        self._pipe, theirs = context.Pipe()
+        self.process = context.Process(target=run_engine_core, args=(args, self.address, theirs),
+                                       # not daemonic: it spawns the worker processes of an mp executor
+                                       name="pagoda-engine-core")
+        spawn(self.process)
+        theirs.close()
+
+    def finish(self, eos_token_ids: list[int]) -> tuple[multiprocessing.Process, str, str]:
+        """Returns (the process, its input address, the folder of its
+        sockets, to remove at the end) once the model is loaded. A core that
+        cannot start raises here as it would in process: ValueError or
+        OSError for bad flags and model files."""
+        try:
+            self._pipe.send(list(eos_token_ids))
+        except OSError:  # the core has already failed; its message waits in the pipe
+            pass
+        try:
+            while not self._pipe.poll(STARTUP_POLL_S):
+                if not self.process.is_alive():
+                    raise EngineCoreDiedError(
+                        f"the engine core process exited with status {self.process.exitcode} while starting")
+            message = self._pipe.recv()
+        except BaseException:
+            self.cancel()
+            raise
+        self._pipe.close()
+        if message[0] == "error":
+            self.process.join()
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            _, kind, text = message
+            raise_startup_error(kind, text, EngineCoreDiedError, "the engine core")
+        logger.info("engine core process %d ready", self.process.pid)
+        return self.process, self.address, self.socket_dir
+
+    def cancel(self) -> None:
+        """Stops the process (it has bound nothing yet) and removes its folder."""
+        self._pipe.close()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def stop_engine_core(process: multiprocessing.Process, address: str, socket_dir: str,
@@ -165,7 +192,7 @@ class MPClient:
     noticed within a poll interval.
 
     process/socket_dir: given when this client owns the core (started it
-    with start_engine_core): its shutdown then stops the core. Several
+    with CoreStart): its shutdown then stops the core. Several
     clients (API server processes) may share one core, each with its own
     client_index."""
 
@@ -278,10 +305,10 @@ class SyncMPClient:
     detokenizes, and get_outputs() returns what it sent since the last call,
     waiting for a step's message when none is there."""
 
-    def __init__(self, args: EngineArgs, eos_token_ids: list[int]):
+    def __init__(self, start: CoreStart, eos_token_ids: list[int]):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # EngineCoreOutputs, or the exception that ended the core
         self._dead: BaseException | None = None
-        process, address, socket_dir = start_engine_core(args, eos_token_ids)
+        process, address, socket_dir = start.finish(eos_token_ids)
         try:
             self._client = MPClient(address, self._inbox.put, self._inbox.put, process=process, socket_dir=socket_dir)
         except BaseException:

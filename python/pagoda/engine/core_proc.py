@@ -39,24 +39,30 @@ from pagoda.process_watch import exit_with_parent
 logger = init_logger(__name__)
 
 
-def run_engine_core(args: EngineArgs, eos_token_ids: list[int], input_address: str,
-                    startup: multiprocessing.connection.Connection) -> None:
-    """The process's entry point (multiprocessing, spawned): builds the
-    core, reports ("ready", EngineCoreReady) or ("error", type name,
-    message) through `startup`, then serves until SHUTDOWN."""
+def run_engine_core(args: EngineArgs, input_address: str, startup: multiprocessing.connection.Connection) -> None:
+    """The process's entry point (multiprocessing, spawned, see CoreStart):
+    builds its configs, takes the front end's stop ids from `startup` (sent
+    once the front end has its tokenizer: meanwhile both import and read
+    configs), builds the core, reports ("ready", EngineCoreReady) or
+    ("error", type name, message) through `startup`, then serves until
+    SHUTDOWN."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tag_process_logs()
     exit_with_parent()
     try:
-        core = EngineCore(*args.create_engine_configs(), eos_token_ids)
+        configs = args.create_engine_configs()
+        core = EngineCore(*configs, startup.recv())
         if not args.disable_log_stats:
             from pagoda.metrics import StatLogger
 
             core.stat_logger = StatLogger(args.stats_interval)
         proc = EngineCoreProc(core, input_address)
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which raises it
-        startup.send(("error", type(exc).__name__, str(exc)))
+        try:
+            startup.send(("error", type(exc).__name__, str(exc)))
+        except OSError:  # the front end gave up its start (CoreStart.cancel)
+            pass
         raise SystemExit(1) from None
     # The start-up's objects (modules, parameters, the cache's blocks) live as
     # long as the process: frozen, no full collection walks them while serving.

@@ -39,13 +39,18 @@ class LLMEngine:
     def with_core_process(cls, args) -> LLMEngine:
         """The engine with its core in a process of its own (started here,
         stopped by shutdown() or when the engine is collected)."""
-        from pagoda.engine.core_client import SyncMPClient
+        from pagoda.engine.core_client import CoreStart, SyncMPClient
 
         self = cls.__new__(cls)
-        model_config = front_end_model_config(args)
-        self._init_front_end(model_config)
+        start = CoreStart(args)  # first: the core imports and loads while this process reads its tokenizer
+        try:
+            model_config = front_end_model_config(args)
+            self._init_front_end(model_config)
+        except BaseException:
+            start.cancel()
+            raise
         self.core = None
-        self.client = SyncMPClient(args, self.eos_token_ids)
+        self.client = SyncMPClient(start, self.eos_token_ids)
         model_config.adopt_core_start(self.client.ready)
         weakref.finalize(self, self.client.shutdown, 10.0)
         return self

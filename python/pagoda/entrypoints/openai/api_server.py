@@ -452,13 +452,20 @@ def serve_with_api_servers(args: argparse.Namespace, engine_args) -> int:
     import multiprocessing
     import multiprocessing.connection
 
-    from pagoda.engine.core_client import start_engine_core, stop_engine_core
+    from pagoda.engine.core_client import CoreStart, stop_engine_core
     from pagoda.engine.processor import front_end_model_config, eos_token_ids, load_tokenizer
 
+    start = CoreStart(engine_args)  # the core loads while this process reads the tokenizer
     try:
         model_config = front_end_model_config(engine_args)
-        core, address, socket_dir = start_engine_core(engine_args, eos_token_ids(model_config,
-                                                                                 load_tokenizer(model_config)))
+        stop_ids = eos_token_ids(model_config, load_tokenizer(model_config))
+    except BaseException as exc:
+        start.cancel()
+        if isinstance(exc, (ValueError, OSError)):
+            raise SystemExit(f"pagoda serve: error: {exc}") from None
+        raise
+    try:
+        core, address, socket_dir = start.finish(stop_ids)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagoda serve: error: {exc}") from None
     # Each API server listens on a socket of its own bound to one port
