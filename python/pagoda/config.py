@@ -4,22 +4,28 @@ field, before anything is allocated."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-# The loader of the compiled kernels (imports no other part): the device
-# choice below depends on whether the CUDA kernels load.
-from pagoda import _native
 from pagoda.logger import init_logger
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a value needs it, not at the top: an offline LLM
+# with its core in another process starts that process before this one
+# imports torch (seconds), so that the two imports overlap (see
+# probable_device_type and CoreStart).
 
 logger = init_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float": torch.float32, "half": torch.float16}
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float": "float32",
+                "half": "float16"}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "gguf_int8", "fp8", "none")
 # "auto": the model's dtype, except bf16 under quantization="gguf_int8"
@@ -40,6 +46,8 @@ def check_fp8_support(what: str, dtype: torch.dtype, device: torch.device) -> No
     """Float8 weights and KV caches compute in bf16/fp16, and on a GPU need
     its FP8 instructions (CUDA capability 8.9+); ValueError naming `what`
     otherwise. Whether the CPU may run `what` is the caller's to say."""
+    import torch
+
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{what} computes in bfloat16 or float16, got dtype {dtype}: pass --dtype bfloat16")
     if device.type == "cuda":
@@ -73,6 +81,8 @@ DEVICES = ("auto", "cpu", "cuda")
 def resolve_device(device: str | torch.device) -> torch.device:
     """"auto" -> CUDA when torch sees a GPU and Pagoda's CUDA kernels are
     loaded, else the CPU; "cuda" insists (ValueError saying what is missing)."""
+    import torch
+
     if device_type(device) == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -81,11 +91,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def device_type(device: str | torch.device) -> str:
     """"cpu" or "cuda": where resolve_device puts a model, without making a
     CUDA context in this process."""
-    name = device.type if isinstance(device, torch.device) else device
-    if name not in DEVICES or (isinstance(device, torch.device) and device.index not in (None, 0)):
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r} (pick a GPU with CUDA_VISIBLE_DEVICES)")
+    name = _device_name(device)
     if name == "cpu":
         return "cpu"
+    import torch
+
+    from pagoda import _native  # the compiled kernels: whether the CUDA ones loaded
+
     if not torch.cuda.is_available():
         if name == "cuda":
             raise ValueError(
@@ -103,6 +115,57 @@ def device_type(device: str | torch.device) -> str:
         logger.warning("device='auto' runs on the CPU although torch sees a GPU: %s", missing)
         return "cpu"
     return "cuda"
+
+
+def _device_name(device) -> str:
+    """"auto", "cpu" or "cuda" from a name or a torch.device (ValueError otherwise)."""
+    is_torch_device = type(device).__name__ == "device" and type(device).__module__ == "torch"
+    name = device.type if is_torch_device else device
+    if name not in DEVICES or (is_torch_device and device.index not in (None, 0)):
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r} (pick a GPU with CUDA_VISIBLE_DEVICES)")
+    return name
+
+
+def probable_device_type(device: str | torch.device) -> str:
+    """device_type's answer without importing torch, for "auto" as far as
+    files and the NVIDIA driver tell: "cuda" when torch is a CUDA build,
+    Pagoda's CUDA kernels are built beside it and NVML counts a visible GPU.
+    It decides where the offline LLM's core runs before torch is imported;
+    the core itself then resolves the device for real (device_type), so a
+    wrong guess costs only that choice."""
+    name = _device_name(device)
+    if name != "auto":
+        return name
+    torch_spec = importlib.util.find_spec("torch")
+    if torch_spec is None or not torch_spec.submodule_search_locations:
+        return "cpu"
+    if not (Path(torch_spec.submodule_search_locations[0]) / "lib" / "libtorch_cuda.so").exists():
+        return "cpu"
+    if not any(Path(__file__).parent.glob("_cuda_ops*.so")):
+        return "cpu"
+    return "cuda" if _visible_nvidia_gpus() > 0 else "cpu"
+
+
+def _visible_nvidia_gpus() -> int:
+    """GPUs NVML sees, less those CUDA_VISIBLE_DEVICES hides (0 without a driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return 0
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    if nvml.nvmlInit_v2() != 0:
+        return 0
+    try:
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return 0
+        if visible is not None:
+            return min(count.value, len([d for d in visible.split(",") if d.strip()]))
+        return count.value
+    finally:
+        nvml.nvmlShutdown()
 
 
 @dataclass
@@ -168,6 +231,8 @@ class ModelConfig:
         EngineCoreReady), into this front end's config: max_model_len (it
         may be fitted to the KV cache), the dtype and the device the model
         runs in."""
+        import torch
+
         self.max_model_len = ready.max_model_len
         self.torch_dtype = getattr(torch, ready.dtype)
         self.device = torch.device(ready.device)
@@ -182,6 +247,8 @@ class ModelConfig:
         return AutoConfig.from_pretrained(self.folder)
 
     def _resolve_dtype(self) -> torch.dtype:
+        import torch
+
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
         elif self.dtype == "auto":
@@ -192,15 +259,15 @@ class ModelConfig:
             # halve the KV cache and the throughput).
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
             if isinstance(dtype, str):
-                dtype = _DTYPES.get(dtype, torch.float32)
+                dtype = getattr(torch, _DTYPE_NAMES.get(dtype, "float32"))
             if dtype is None or self.gguf_file:
                 dtype = torch.float32
             if self.device.type == "cpu" and dtype == torch.float16:
                 dtype = torch.bfloat16
             if self.device.type != "cpu" and dtype == torch.float32:
                 dtype = torch.bfloat16
-        elif self.dtype in _DTYPES:
-            dtype = _DTYPES[self.dtype]
+        elif self.dtype in _DTYPE_NAMES:
+            dtype = getattr(torch, _DTYPE_NAMES[self.dtype])
         else:
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -208,6 +275,8 @@ class ModelConfig:
         return dtype
 
     def _resolve_quantization(self) -> str | None:
+        import torch
+
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         packable = (
@@ -305,6 +374,8 @@ class CacheConfig:
     def kv_cache_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         """The KV cache's element type for this model; ValueError (naming
         what to change) where the bf16 or fp8 cache cannot run."""
+        import torch
+
         dtype, device = model_config.torch_dtype, model_config.device
         if self.kv_cache_dtype == "auto":
             # gguf_int8 trades accuracy for speed as llama.cpp does, whose

@@ -135,6 +135,37 @@ def test_the_core_starts_before_the_tokenizer_loads_and_gets_its_stop_ids(folder
         llm.shutdown()
 
 
+def test_the_core_starts_before_this_process_imports_torch(folder, tmp_path):
+    """`from pagoda import LLM` imports no torch, and LLM(...) starts the core
+    process before this one imports it (seconds each): the imports overlap."""
+    script = tmp_path / "imports.py"
+    script.write_text(textwrap.dedent(f"""
+        import builtins, multiprocessing, sys
+        cores_at_torch_import = []
+        real_import = builtins.__import__
+
+        def watch(name, *args, **kwargs):
+            if name.split(".")[0] == "torch" and "torch" not in sys.modules and not cores_at_torch_import:
+                cores_at_torch_import.append([p.name for p in multiprocessing.active_children()])
+            return real_import(name, *args, **kwargs)
+
+        builtins.__import__ = watch
+        from pagoda import LLM, SamplingParams
+        print("torch after import", "torch" in sys.modules)
+        llm = LLM({folder!r}, multiprocess=True, **{ENGINE_ARGS!r})
+        print("cores at torch import", cores_at_torch_import)
+        out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        print("tokens", len(out[0].outputs[0].token_ids))
+        llm.shutdown()
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "torch after import False" in run.stdout
+    assert "cores at torch import [['pagoda-engine-core']]" in run.stdout
+    assert "tokens 3" in run.stdout
+
+
 def test_a_front_end_that_cannot_start_stops_the_core_it_started(folder, monkeypatch):
     import pagoda.engine.llm_engine as llm_engine
 

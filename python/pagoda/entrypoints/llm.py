@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pagoda.config import device_type
+from pagoda.config import probable_device_type
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
@@ -69,7 +69,9 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, **kwargs,
         )
         if multiprocess is None:
-            multiprocess = device_type(args.device) == "cuda"
+            # Without importing torch: the core's process then starts before
+            # this one imports it, and the two imports overlap.
+            multiprocess = probable_device_type(args.device) == "cuda"
         if not isinstance(multiprocess, bool):
             raise ValueError(f"multiprocess must be a bool or None, got {multiprocess!r}")
         self.llm_engine = args.create_engine(multiprocess)
