@@ -166,6 +166,19 @@ def test_the_core_starts_before_this_process_imports_torch(folder, tmp_path):
     assert "tokens 3" in run.stdout
 
 
+def test_cuda_insisted_on_without_a_gpu_fails_in_the_callers_terms(folder):
+    """device="cuda" puts the core in its own process (guessed without
+    torch); where there is no GPU its error comes back as a ValueError."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    args = dict(ENGINE_ARGS, device="cuda")
+    with pytest.raises(ValueError, match="device='cuda' but torch .* sees no CUDA GPU"):
+        LLM(folder, **args)
+    assert [p.name for p in multiprocessing.active_children()] == []
+
+
 def test_a_front_end_that_cannot_start_stops_the_core_it_started(folder, monkeypatch):
     import pagoda.engine.llm_engine as llm_engine
 
