@@ -5,6 +5,10 @@ Each library records the torch version and C++ ABI it was built against (see
 cc/build_info.cc). They are checked before loading, because a library built for
 another torch fails inside the dynamic linker with an unhelpful
 "undefined symbol" error.
+
+torch is imported where a function needs it: finding the libraries
+(find_library) takes none, so that config.probable_device_type can ask
+before anything imports torch.
 """
 
 from __future__ import annotations
@@ -13,8 +17,6 @@ import functools
 import os
 import re
 from pathlib import Path
-
-import torch
 
 # Not resolve(): under Bazel the sources are symlinks into the checkout, while
 # the built libraries sit only beside the symlinks in the runfiles tree.
@@ -36,6 +38,8 @@ def read_build_info(path: Path) -> dict[str, str]:
 
 def check_compatible(path: Path) -> None:
     """Raises ImportError in one line if `path` was built for another torch."""
+    import torch
+
     info = read_build_info(path)
     running = torch.__version__.split("+")[0]
     abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
@@ -46,7 +50,8 @@ def check_compatible(path: Path) -> None:
         )
 
 
-def _find(stem: str) -> Path | None:
+def find_library(stem: str) -> Path | None:
+    """The built library `stem` (e.g. "_C", "_cuda_ops") beside this package, if any."""
     for candidate in sorted(_PACKAGE_DIR.glob(stem + "*.so")):
         return candidate
     return None
@@ -56,7 +61,9 @@ def _find(stem: str) -> Path | None:
 def load():
     """Imports pagoda._C (and the CUDA ops where they apply), once; returns
     pagoda._C."""
-    path = _find("_C")
+    import torch
+
+    path = find_library("_C")
     if path is None:
         raise ImportError(f"pagoda._C is not built in {_PACKAGE_DIR}; build it: {_REBUILD_HINT.split(': ', 1)[1]}")
     check_compatible(path)
@@ -64,7 +71,7 @@ def load():
 
     _C.select_cpu_isa(os.environ.get("PAGODA_CPU_ISA", ""))
     if torch.cuda.is_available():
-        cuda_ops = _find("_cuda_ops")
+        cuda_ops = find_library("_cuda_ops")
         if cuda_ops is not None:
             check_compatible(cuda_ops)
             torch.ops.load_library(str(cuda_ops))
@@ -77,6 +84,8 @@ def has_kernel(op: str, device: str = "cuda") -> bool:
     ("cpu", "cuda") in this process. Cached: load() registers every kernel
     there is, and the lookup costs about 50 us, which the sampler would pay
     each step."""
+    import torch
+
     load()
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"pagoda::{op}", device.upper())
 

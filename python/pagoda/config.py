@@ -141,7 +141,9 @@ def probable_device_type(device: str | torch.device) -> str:
         return "cpu"
     if not (Path(torch_spec.submodule_search_locations[0]) / "lib" / "libtorch_cuda.so").exists():
         return "cpu"
-    if not any(Path(__file__).parent.glob("_cuda_ops*.so")):
+    from pagoda import _native  # its library lookup imports no torch
+
+    if _native.find_library("_cuda_ops") is None:
         return "cpu"
     return "cuda" if _visible_nvidia_gpus() > 0 else "cpu"
 

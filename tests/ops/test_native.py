@@ -8,7 +8,7 @@ from pagoda import _native, ops
 
 
 def test_build_info_matches_running_torch():
-    info = _native.read_build_info(_native._find("_C"))
+    info = _native.read_build_info(_native.find_library("_C"))
     assert info["torch"] == torch.__version__.split("+")[0]
     assert info["cxx11_abi"] == str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
     assert ops._C.build_info() == "PAGODA_BUILD_INFO{torch=%s;cxx11_abi=%s}" % (info["torch"], info["cxx11_abi"])
@@ -16,7 +16,7 @@ def test_build_info_matches_running_torch():
 
 def test_library_for_another_torch_is_refused_in_one_line(tmp_path):
     library = tmp_path / "_C.so"
-    shutil.copy(_native._find("_C"), library)
+    shutil.copy(_native.find_library("_C"), library)
     data = library.read_bytes()
     running = torch.__version__.split("+")[0].encode()
     library.write_bytes(data.replace(b"torch=" + running + b";", b"torch=1.99.9;"))

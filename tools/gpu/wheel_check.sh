@@ -124,7 +124,7 @@ print("pin", pin)
 if pin != ["torch==" + torch.__version__.split("+")[0]]:
     problems.append(f"the wheel pins {pin}, the host runs torch {torch.__version__}")
 for name in ("_C", "_cuda_ops"):
-    path = _native._find(name)
+    path = _native.find_library(name)
     print(name, path, path and _native.read_build_info(path))
     if path is None or not os.path.realpath(path).startswith(venv):
         problems.append(f"{name}.so is not in the installed package")
