@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--model-shape", default="Qwen3-0.6B")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--top", type=int, default=30, help="functions to list; 0: no profile (cProfile slows Python)")
+    # Not cli_args' add_multiprocess_arg: that would import pagoda before the clock starts.
     parser.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
     started = time.perf_counter()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 import time
 import weakref
@@ -212,13 +213,9 @@ class AsyncLLM:
         self.engine = None  # the core is in another process
         # Started first: the core imports and loads while this process reads its tokenizer.
         start = CoreStart(args) if core_address is None else None
-        try:
+        with start.cancelled_on_failure() if start is not None else contextlib.nullcontext():
             model_config = front_end_model_config(args)
             tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config)
-        except BaseException:
-            if start is not None:
-                start.cancel()
-            raise
         process = socket_dir = None
         if start is not None:
             process, core_address, socket_dir = start.finish(eos_token_ids(model_config, tokenizer))

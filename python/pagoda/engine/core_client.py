@@ -8,6 +8,7 @@ the engine's step()."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
@@ -111,9 +112,9 @@ class CoreStart:
     """An engine-core process spawned before the front end loads its own
     config and tokenizer: the core needs the front end's stop ids only once
     its imports and configs are done (seconds: torch, transformers), so the
-    front end's start overlaps the core's instead of preceding it. finish()
-    sends the ids and waits until the model is loaded; cancel() stops a
-    start that the front end gives up (its own start failed)."""
+    front end's start overlaps the core's instead of preceding it. The front
+    end starts inside cancelled_on_failure(); finish() sends the ids and
+    waits until the model is loaded."""
 
     def __init__(self, args: EngineArgs):
         from pagoda.engine.core_proc import run_engine_core
@@ -155,6 +156,16 @@ class CoreStart:
             raise_startup_error(kind, text, EngineCoreDiedError, "the engine core")
         logger.info("engine core process %d ready", self.process.pid)
         return self.process, self.address, self.socket_dir
+
+    @contextlib.contextmanager
+    def cancelled_on_failure(self):
+        """The front end's own start: if it raises, the core is stopped
+        (cancel) before the error goes on."""
+        try:
+            yield
+        except BaseException:
+            self.cancel()
+            raise
 
     def cancel(self) -> None:
         """Stops the process (it has bound nothing yet) and removes its folder."""

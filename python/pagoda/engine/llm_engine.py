@@ -43,12 +43,9 @@ class LLMEngine:
 
         self = cls.__new__(cls)
         start = CoreStart(args)  # first: the core imports and loads while this process reads its tokenizer
-        try:
+        with start.cancelled_on_failure():
             model_config = front_end_model_config(args)
             self._init_front_end(model_config)
-        except BaseException:
-            start.cancel()
-            raise
         self.core = None
         self.client = SyncMPClient(start, self.eos_token_ids)
         model_config.adopt_core_start(self.client.ready)

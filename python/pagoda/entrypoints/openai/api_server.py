@@ -457,14 +457,9 @@ def serve_with_api_servers(args: argparse.Namespace, engine_args) -> int:
 
     start = CoreStart(engine_args)  # the core loads while this process reads the tokenizer
     try:
-        model_config = front_end_model_config(engine_args)
-        stop_ids = eos_token_ids(model_config, load_tokenizer(model_config))
-    except BaseException as exc:
-        start.cancel()
-        if isinstance(exc, (ValueError, OSError)):
-            raise SystemExit(f"pagoda serve: error: {exc}") from None
-        raise
-    try:
+        with start.cancelled_on_failure():
+            model_config = front_end_model_config(engine_args)
+            stop_ids = eos_token_ids(model_config, load_tokenizer(model_config))
         core, address, socket_dir = start.finish(stop_ids)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagoda serve: error: {exc}") from None
