@@ -187,6 +187,11 @@ class ModelConfig:
     device: str | torch.device = "auto"
     # vLLM's: no CUDA graphs (every step runs eagerly).
     enforce_eager: bool = False
+    # vLLM's: the largest step, in tokens, a CUDA graph serves. Decode steps of up
+    # to min(this, max_num_seqs) sequences replay full graphs; other steps (prefill
+    # in them) of up to this many tokens replay piecewise graphs, attention eager
+    # between the pieces (worker/cuda_graph_runner.py); larger steps run eagerly.
+    max_cudagraph_capture_size: int = 512
     # GGUF weights: "gguf" keeps Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices packed for the CPU's
     # kernels (GGUF model, CPU, float32; the blocks are dequantized in
     # registers and multiplied in fp32, so the results are those of "none" up
@@ -219,6 +224,10 @@ class ModelConfig:
             raise ValueError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        size = self.max_cudagraph_capture_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"max_cudagraph_capture_size must be a positive int, got {size!r}")
         self.device = resolve_device(self.device)
         self.torch_dtype = self._resolve_dtype()
         self.quantization = self._resolve_quantization()

@@ -11,13 +11,17 @@ The first num_decodes sequences have one new token each (the scheduler puts
 decodes first). The rest, when any, are described again by `prefill` in the
 layout of varlen flash attention, so the GPU runs decodes and prefills with
 the kernel made for each (see model_executor/layers/attention.py).
+
+split_attention(hook) makes every Attention layer hand its inputs to the hook
+instead of attending: piecewise CUDA graphs capture the model around the
+attention calls (worker/cuda_graph_runner.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -64,3 +68,22 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("no forward context: run the model inside set_forward_context(...)")
     return _current
+
+
+_split: Callable | None = None
+
+
+@contextlib.contextmanager
+def split_attention(hook: Callable) -> Iterator[None]:
+    """Inside: Attention.forward(q, k, v, positions, rotary_emb, qk_norms)
+    returns hook(layer, q, k, v, positions, rotary_emb, qk_norms)."""
+    global _split
+    previous, _split = _split, hook
+    try:
+        yield
+    finally:
+        _split = previous
+
+
+def get_attention_split() -> Callable | None:
+    return _split

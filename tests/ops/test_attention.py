@@ -488,3 +488,35 @@ def test_opcheck():
     batch = make_batch([40, 5, 17], [3, 5, 1], 6, 2, 64, 16)
     out = torch.empty(batch["query"].shape)
     torch.library.opcheck(torch.ops.pagoda.paged_attention.default, op_args(batch, out))
+
+
+def test_attention_layer_writes_into_out_and_yields_to_a_split(device):
+    """Attention.attend(out=...) writes its result there (piecewise CUDA
+    graphs read it at a fixed address), equal to a plain call; under
+    split_attention the layer hands its inputs to the hook and returns what
+    the hook returns."""
+    from pagoda.forward_context import AttentionMetadata, set_forward_context, split_attention
+    from pagoda.model_executor.layers.attention import Attention
+
+    num_heads, num_kv_heads, head_size = 6, 2, 64
+    seq_lens, q_lens = [20, 5, 9], [1, 5, 9]
+    batch = make_batch(seq_lens, q_lens, num_heads, num_kv_heads, head_size, device=device)
+    num_tokens, tables = sum(q_lens), batch["block_tables"]
+    positions = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, q_lens)]).to(device)
+    rows = torch.cat([torch.full((q,), i) for i, q in enumerate(q_lens)]).to(device)
+    slots = tables[rows, positions // 16].long() * 16 + positions % 16
+    metadata = AttentionMetadata(slots, tables, batch["seq_lens"], batch["query_start_loc"], max(q_lens), max(seq_lens))
+    layer = Attention(num_heads, head_size, batch["scale"], num_kv_heads)
+    layer.kv_cache = (batch["key_cache"], batch["value_cache"])
+    q = batch["query"].flatten(1)
+    k, v = (torch.randn(num_tokens, num_kv_heads * head_size, device=device) for _ in range(2))
+    with set_forward_context(metadata):
+        want = layer(q, k, v)
+        out = torch.full_like(want, float("nan"))
+        got = layer.attend(q, k, v, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        seen = []
+        with split_attention(lambda *args: seen.append(args) or "split"):
+            assert layer(q, k, v) == "split"
+    assert seen[0][:4] == (layer, q, k, v) and seen[0][4:] == (None, None, None)

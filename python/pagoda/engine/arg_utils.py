@@ -29,6 +29,7 @@ class EngineArgs:
     quantization: str = "auto"  # "fp8" (FP8 weights and GEMMs), "gguf" (packed GGUF on the CPU), "gguf_int8" (packed, int8 inputs), "none"/"auto"
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    max_cudagraph_capture_size: int = 512  # GPU: the largest step (tokens) CUDA graphs serve
     gpu_memory_utilization: float = 0.9  # GPU: share of the device's memory the engine may use (weights + KV cache)
     kv_cache_dtype: str = "auto"  # one of config.KV_CACHE_DTYPES
     tensor_parallel_size: int = 1
@@ -46,7 +47,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, max_model_len=self.max_model_len,
             seed=self.seed, load_format=self.load_format, skip_tokenizer_init=self.skip_tokenizer_init,
             hf_overrides=self.hf_overrides, device=self.device, enforce_eager=self.enforce_eager,
-            quantization=self.quantization,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size, quantization=self.quantization,
         )
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:

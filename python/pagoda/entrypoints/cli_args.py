@@ -99,6 +99,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
               "fp8 (fp8_e4m3): float8 e4m3 with unit scale, half the bytes per token of a 16-bit cache "
               "(GPUs of CUDA capability 8.9+, bfloat16/float16 models)")
     flag("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
+    flag("--max-cudagraph-capture-size", type=positive_int,
+         help="GPU: the largest step, in tokens, CUDA graphs serve: decode steps of up to this many sequences "
+              "replay full graphs, steps with prefill of up to this many tokens piecewise graphs (attention "
+              "eager between them); larger steps run eagerly (default %(default)s)")
     flag("--async-scheduling", action=argparse.BooleanOptionalAction,
          help="queue each step before reading the previous one's tokens, overlapping host and "
               "device work (default: on for CUDA, off on the CPU)")

@@ -1,6 +1,7 @@
 """The CUDA runner: weights made on the GPU, the KV cache sized from a
-profiling forward pass and gpu_memory_utilization, and CUDA graphs for decode
-steps (unless enforce_eager).
+profiling forward pass and gpu_memory_utilization, and CUDA graphs (unless
+enforce_eager): full graphs for decode steps, piecewise graphs for steps with
+prefill of up to max_cudagraph_capture_size tokens.
 
 KV cache size: one step of the largest shape the scheduler can send
 (max_num_batched_tokens dummy tokens over min(max_num_seqs, tokens) prompts,
@@ -25,7 +26,7 @@ from pagoda.model_executor.layers import flash_prefill
 from pagoda.model_executor.layers.sampler import Sampler, SamplingMetadata
 from pagoda.model_executor.layers.triton_attention import variant_query_lens
 from pagoda.sampling_params import SamplingParams
-from pagoda.worker.cuda_graph_runner import CUDAGraphRunner, cudagraph_batch_sizes
+from pagoda.worker.cuda_graph_runner import CUDAGraphRunner, cudagraph_batch_sizes, piecewise_token_sizes
 from pagoda.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -131,13 +132,16 @@ class GPUModelRunner(ModelRunner):
         if self.model_config.enforce_eager:
             logger.info("CUDA graphs: off (enforce_eager=True): every step runs eagerly")
             return
-        sizes = cudagraph_batch_sizes(min(self.max_num_reqs, self.max_num_tokens))
+        max_tokens = min(self.model_config.max_cudagraph_capture_size, self.max_num_tokens)
+        sizes = cudagraph_batch_sizes(min(self.max_num_reqs, max_tokens))
+        token_sizes = piecewise_token_sizes(max_tokens)
         free_before, _ = torch.cuda.mem_get_info()
         with self.startup_phase("CUDA graphs") as details:
             graph_runner = CUDAGraphRunner(self.model, self.input_buffers)
-            graph_runner.capture(sizes)
+            graph_runner.capture(sizes, token_sizes)
             details.append(
-                f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}), "
+                f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}), piecewise for steps of up to "
+                f"{max_tokens} tokens ({len(token_sizes)} sizes), "
                 f"{(free_before - torch.cuda.mem_get_info()[0]) / 2**20:.0f} MiB"
             )
         self.graph_runner, self.cudagraph_batch_sizes = graph_runner, sizes

@@ -151,10 +151,15 @@ class ModelRunner(abc.ABC):
         return sizes[bisect.bisect_left(sizes, len(items))]
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states of every input row (padding rows included)."""
-        if self.graph_runner is not None and self.graph_runner.has_graph(inputs.padded_batch_size):
-            return self.graph_runner.replay(inputs.padded_batch_size)
+        """Hidden states of every input row (padding rows included): a full
+        CUDA graph's replay for a padded decode step, piecewise graphs' for a
+        step they fit, else the model run eagerly."""
+        graphs = self.graph_runner
+        if graphs is not None and graphs.has_graph(inputs.padded_batch_size):
+            return graphs.replay(inputs.padded_batch_size)
         with set_forward_context(inputs.metadata):
+            if graphs is not None and graphs.piecewise_size(inputs.num_tokens) is not None:
+                return graphs.replay_pieces(inputs.num_tokens)
             return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()

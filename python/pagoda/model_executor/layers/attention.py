@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pagoda import ops
-from pagoda.forward_context import get_attention_metadata
+from pagoda.forward_context import get_attention_metadata, get_attention_split
 from pagoda.model_executor.layers import flash_prefill
 from pagoda.model_executor.layers.layernorm import RMSNorm
 from pagoda.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -51,7 +51,25 @@ class Attention(nn.Module):
         the kernels take any token stride) -> [T, H*D]. With rotary_emb, q
         and k are position-encoded here (in place, after RMSNorms over each
         head where qk_norms are given), together with the cache write in one
-        kernel on CUDA."""
+        kernel on CUDA. Under split_attention (piecewise CUDA graphs being
+        captured) the split hook takes the inputs instead."""
+        split = get_attention_split()
+        if split is not None:
+            return split(self, q, k, v, positions, rotary_emb, qk_norms)
+        return self.attend(q, k, v, positions, rotary_emb, qk_norms)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """forward() without the split; out ([T, H*D]): where to write the
+        result (a new tensor when None)."""
         if self.kv_cache is None:
             raise RuntimeError("Attention layer has no KV cache: bind one with bind_kv_caches(model, caches)")
         metadata = get_attention_metadata()
@@ -74,12 +92,15 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if out is not None:
+            out = out.view(num_tokens, self.num_heads, self.head_size)
         args = (q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 self.scale)
         if not q.is_cuda or metadata.max_query_len <= 1:
-            out = ops.paged_attention(*args)
+            out = ops.paged_attention(*args, out=out)
         elif metadata.prefill is not None and flash_prefill.supported(q.dtype, q.device, self.head_size):
-            out = torch.empty_like(q)
+            if out is None:
+                out = torch.empty_like(q)
             n = metadata.num_decodes
             if n:
                 ops.paged_attention(q[:n], key_cache, value_cache, metadata.block_tables[:n], metadata.seq_lens[:n],
@@ -91,7 +112,8 @@ class Attention(nn.Module):
             # here so that CPU-only installs never need triton.
             from pagoda.model_executor.layers import triton_attention
 
-            out = triton_attention.paged_prefill_attention(*args, max_query_len=metadata.max_query_len)
+            result = triton_attention.paged_prefill_attention(*args, max_query_len=metadata.max_query_len)
+            out = result if out is None else out.copy_(result)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
 
