@@ -75,8 +75,8 @@ _split: Callable | None = None
 
 @contextlib.contextmanager
 def split_attention(hook: Callable) -> Iterator[None]:
-    """Inside: Attention.forward(q, k, v, positions, rotary_emb, qk_norms)
-    returns hook(layer, q, k, v, positions, rotary_emb, qk_norms)."""
+    """Inside: Attention.forward(*inputs) returns hook(layer, *inputs), the
+    inputs being Attention.attend's (q, k, v[, positions, rotary_emb, qk_norms])."""
     global _split
     previous, _split = _split, hook
     try:

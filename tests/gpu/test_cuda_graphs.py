@@ -4,6 +4,7 @@ give eagerly (same kernels, same shapes), and close to unpadded eager steps."""
 
 import pytest
 import torch
+from recording import record_calls
 
 from pagoda import LLM, SamplingParams
 from pagoda.worker.cuda_graph_runner import cudagraph_batch_sizes
@@ -22,25 +23,13 @@ def test_ladder():
     assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
 
 
-def count_replays(runner):
-    replays = []
-    replay = runner.graph_runner.replay
-
-    def counting(batch_size):
-        replays.append(batch_size)
-        return replay(batch_size)
-
-    runner.graph_runner.replay = counting
-    return replays
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "opt"])
 def test_graph_replay_equals_padded_eager(family, reference):
     ref = reference(family)
     graphs = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16)
     runner = graphs.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 8, 16] and set(runner.graph_runner.graphs) == {1, 2, 4, 8, 16}
-    replays = count_replays(runner)
+    replays = record_calls(runner.graph_runner, "replay")
     # The same padded inputs, run eagerly.
     padded = LLM(ref.folder, dtype="bfloat16", skip_tokenizer_init=True, multiprocess=False, max_num_seqs=16, enforce_eager=True)
     padded.llm_engine.runner.cudagraph_batch_sizes = runner.cudagraph_batch_sizes
@@ -68,7 +57,7 @@ def test_steps_that_do_not_fit_run_eagerly(reference):
     llm = LLM(ref.folder, skip_tokenizer_init=True, multiprocess=False, max_num_seqs=8, max_num_batched_tokens=6)
     runner = llm.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [1, 2, 4, 6]
-    replays = count_replays(runner)
+    replays = record_calls(runner.graph_runner, "replay")
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert replays and max(replays) <= 6
     for prompt, output in zip(PROMPTS, outputs):

@@ -6,6 +6,7 @@ run eagerly."""
 
 import pytest
 import torch
+from recording import record_calls
 
 from pagoda import LLM, SamplingParams
 from pagoda.worker.cuda_graph_runner import piecewise_token_sizes
@@ -25,15 +26,7 @@ def test_ladder():
 
 
 def count_piecewise(runner):
-    steps = []
-    replay_pieces = runner.graph_runner.replay_pieces
-
-    def counting(num_tokens):
-        steps.append(num_tokens)
-        return replay_pieces(num_tokens)
-
-    runner.graph_runner.replay_pieces = counting
-    return steps
+    return record_calls(runner.graph_runner, "replay_pieces")
 
 
 @pytest.fixture(autouse=True)

@@ -136,7 +136,7 @@ class CUDAGraphRunner:
         pieces: list[torch.cuda.CUDAGraph] = []
         between: list[_EagerAttention] = []
 
-        def split(layer, q, k, v, layer_positions, rotary_emb, qk_norms):
+        def split(layer, q, k, v, layer_positions=None, rotary_emb=None, qk_norms=None):
             io = self._io_for(layer, q, k, rows)
             io.q[:num_tokens].copy_(q)
             io.k[:num_tokens].copy_(k)

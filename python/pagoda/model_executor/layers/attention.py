@@ -38,25 +38,13 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        rotary_emb: RotaryEmbedding | None = None,
-        qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
-    ) -> torch.Tensor:
-        """q [T, H*D], k/v [T, Hkv*D] (strided views of a fused qkv are fine:
-        the kernels take any token stride) -> [T, H*D]. With rotary_emb, q
-        and k are position-encoded here (in place, after RMSNorms over each
-        head where qk_norms are given), together with the cache write in one
-        kernel on CUDA. Under split_attention (piecewise CUDA graphs being
+    def forward(self, *inputs) -> torch.Tensor:
+        """attend(*inputs); under split_attention (piecewise CUDA graphs being
         captured) the split hook takes the inputs instead."""
         split = get_attention_split()
         if split is not None:
-            return split(self, q, k, v, positions, rotary_emb, qk_norms)
-        return self.attend(q, k, v, positions, rotary_emb, qk_norms)
+            return split(self, *inputs)
+        return self.attend(*inputs)
 
     def attend(
         self,
@@ -68,8 +56,11 @@ class Attention(nn.Module):
         qk_norms: tuple[RMSNorm, RMSNorm] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """forward() without the split; out ([T, H*D]): where to write the
-        result (a new tensor when None)."""
+        """q [T, H*D], k/v [T, Hkv*D] (strided views of a fused qkv are fine:
+        the kernels take any token stride) -> [T, H*D], written into out
+        where given. With rotary_emb, q and k are position-encoded here (in
+        place, after RMSNorms over each head where qk_norms are given),
+        together with the cache write in one kernel on CUDA."""
         if self.kv_cache is None:
             raise RuntimeError("Attention layer has no KV cache: bind one with bind_kv_caches(model, caches)")
         metadata = get_attention_metadata()
