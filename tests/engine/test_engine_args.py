@@ -7,6 +7,7 @@ from dataclasses import MISSING, fields
 
 import pytest
 
+from pagoda.benchmarks.model_shapes import model_shape_path
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.entrypoints.cli_args import add_engine_args, engine_args_from_cli
 
@@ -48,3 +49,14 @@ def test_flags_reach_the_fields():
             engine_args.max_num_seqs, engine_args.async_scheduling, engine_args.scheduling_policy) == (
         "m", 2, False, 3, True, "priority")
     assert engine_args.block_size == EngineArgs.block_size
+
+
+def test_max_cudagraph_capture_size_flag_and_its_check():
+    args = bench_parser().parse_args(["--max-cudagraph-capture-size", "64"])
+    assert engine_args_from_cli(args).max_cudagraph_capture_size == 64
+    with pytest.raises(SystemExit):
+        bench_parser().parse_args(["--max-cudagraph-capture-size", "0"])
+    shape = model_shape_path("Qwen3-0.6B")
+    for bad in (0, -1, True, "512"):
+        with pytest.raises(ValueError, match="max_cudagraph_capture_size must be a positive int"):
+            EngineArgs(shape, load_format="dummy", device="cpu", max_cudagraph_capture_size=bad).create_model_config()
