@@ -166,6 +166,19 @@ def test_the_core_starts_before_this_process_imports_torch(folder, tmp_path):
     assert "tokens 3" in run.stdout
 
 
+def test_the_core_in_this_process_needs_no_process_channel(folder):
+    """multiprocess=False steps the core through the engine's in-process
+    client: ZeroMQ (the process channel's) is never imported, so a CPU
+    user pays neither its import nor its memory."""
+    script = (f"import sys; from pagoda import LLM, SamplingParams; llm = LLM({folder!r}, multiprocess=False, "
+              f"**{ENGINE_ARGS!r}); out = llm.generate(['hi'], SamplingParams(max_tokens=2, ignore_eos=True), "
+              "use_tqdm=False); print('tokens', len(out[0].outputs[0].token_ids), 'zmq', 'zmq' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens 2 zmq False" in run.stdout
+
+
 def test_cuda_insisted_on_without_a_gpu_fails_in_the_callers_terms(folder):
     """device="cuda" puts the core in its own process (guessed without
     torch); where there is no GPU its error comes back as a ValueError."""

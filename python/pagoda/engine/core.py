@@ -183,6 +183,10 @@ class EngineCore:
         )
         self._num_need_ids += _needs_ids(params)
 
+    def add_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ends sequences now and frees their KV blocks; the front end
         reports them (it asked). Unknown or finished ids are ignored."""

@@ -4,7 +4,7 @@ Both take requests and aborts from any thread and, once started, call
 `on_outputs` with each step's EngineCoreOutputs, and `on_dead` once if the
 core dies, on a thread of their own. The offline LLMEngine's, with its core
 in a process: SyncMPClient, an MPClient whose outputs wait in a queue for
-the engine's step()."""
+the engine's step() (with its core here: llm_engine.SyncInprocClient)."""
 
 from __future__ import annotations
 
@@ -102,8 +102,7 @@ class InprocClient:
 
     def _apply(self, kind: RequestType, payload) -> None:
         if kind is RequestType.ADD:
-            for request in payload:
-                self.core.add_request(request)
+            self.core.add_requests(payload)
         else:
             self.core.abort_requests(payload)
 

@@ -20,10 +20,36 @@ from typing import Any, Iterable
 
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.core_messages import EngineCoreOutput, EngineCoreReady, EngineCoreRequest
 from pagoda.engine.output_processor import OutputProcessor, OutputProcessorResult
 from pagoda.engine.processor import Processor, eos_token_ids, front_end_model_config, load_tokenizer
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
+
+
+class SyncInprocClient:
+    """The core in this process: get_outputs() runs one core step.
+    core_client.SyncMPClient's methods, so the engine has one path either
+    way (kept here: that module imports ZeroMQ, which this one never needs)."""
+
+    core_pid = None
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.ready: EngineCoreReady = core.ready_message()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self.core.add_requests(requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_outputs(self) -> list[EngineCoreOutput]:
+        return self.core.step()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops the workers (timeout: SyncMPClient's, unused here)."""
+        self.core.shutdown()
 
 
 class LLMEngine:
@@ -31,9 +57,9 @@ class LLMEngine:
                  parallel_config: ParallelConfig | None = None):
         """The engine with its core in this process."""
         tokenizer = self._init_front_end(model_config)
-        self.client = None
         self.core = EngineCore(model_config, cache_config, scheduler_config, parallel_config, self.eos_token_ids,
                                tokenizer=tokenizer)
+        self.client = SyncInprocClient(self.core)
 
     @classmethod
     def with_core_process(cls, args) -> LLMEngine:
@@ -65,7 +91,7 @@ class LLMEngine:
     @property
     def core_pid(self) -> int | None:
         """The engine-core process (None: the core runs in this process)."""
-        return None if self.client is None else self.client.core_pid
+        return self.client.core_pid
 
     def _inproc_core(self) -> EngineCore:
         if self.core is None:
@@ -94,7 +120,7 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        return self.client.ready.async_scheduling if self.core is None else self.core.async_scheduling
+        return self.client.ready.async_scheduling
 
     @property
     def fault_hook(self):
@@ -111,10 +137,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the workers (their processes, with a multi-process executor)
         and the core's process if it has one."""
-        if self.client is not None:
-            self.client.shutdown()
-        else:
-            self.core.shutdown()
+        self.client.shutdown()
 
     # --- requests -----------------------------------------------------------
 
@@ -134,11 +157,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state, core_requests = self.processor.process(request_id, prompt, params, arrival_time, priority, output_kind)
         self.output_processor.add_request(state)
-        if self.client is not None:
-            self.client.add_requests(core_requests)
-        else:
-            for core_request in core_requests:
-                self.core.add_request(core_request)
+        self.client.add_requests(core_requests)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Ends requests now (finish_reason "abort") and frees their KV
@@ -159,12 +178,8 @@ class LLMEngine:
         """Runs one core step (a core in its own process: takes the steps it
         made since the last call, waiting for one) and returns the outputs of
         the requests that advanced (finished ones for the last time)."""
-        core_outputs = self.core.step() if self.client is None else self.client.get_outputs()
-        return self._apply(self.output_processor.process_outputs(core_outputs))
+        return self._apply(self.output_processor.process_outputs(self.client.get_outputs()))
 
     def _apply(self, result: OutputProcessorResult) -> list[RequestOutput]:
-        if self.client is not None:
-            self.client.abort_requests(result.reqs_to_abort)
-        else:
-            self.core.abort_requests(result.reqs_to_abort)
+        self.client.abort_requests(result.reqs_to_abort)
         return result.request_outputs
