@@ -24,6 +24,7 @@ makes a pool shared between them safe.
 
 from __future__ import annotations
 
+import bisect
 import gc
 from dataclasses import dataclass
 
@@ -87,12 +88,13 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode batch size -> full graph
         # token count -> (pieces, the attention between piece i and i + 1)
         self.piecewise: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_EagerAttention]]] = {}
+        self._token_sizes: list[int] = []  # piecewise's keys, ascending (a step looks its size up)
         self.hidden_states: torch.Tensor | None = None  # [largest size, hidden], every graph's output
         self._io: dict[tuple, _AttentionIO] = {}
         self.pool = None
 
     @torch.inference_mode()
-    def capture(self, batch_sizes: list[int], token_sizes: list[int] = ()) -> None:
+    def capture(self, batch_sizes: list[int], token_sizes: list[int]) -> None:
         """Full graphs for decode steps of batch_sizes requests, piecewise
         graphs for other steps of up to token_sizes tokens."""
         self.pool = torch.cuda.graph_pool_handle()
@@ -108,6 +110,7 @@ class CUDAGraphRunner:
                 self._capture(batch_size, rows)
         finally:
             gc.unfreeze()
+        self._token_sizes = sorted(self.piecewise)
         torch.cuda.synchronize()
 
     def _output(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
@@ -186,15 +189,14 @@ class CUDAGraphRunner:
     def piecewise_size(self, num_tokens: int) -> int | None:
         """The token count whose pieces a step of num_tokens replays, or None
         (larger than every captured size)."""
-        fitting = [size for size in self.piecewise if size >= num_tokens]
-        return min(fitting) if fitting else None
+        i = bisect.bisect_left(self._token_sizes, num_tokens)
+        return self._token_sizes[i] if i < len(self._token_sizes) else None
 
-    def replay_pieces(self, num_tokens: int) -> torch.Tensor:
+    def replay_pieces(self, num_tokens: int, size: int) -> torch.Tensor:
         """Runs a step of num_tokens (its inputs in the buffers, its metadata
-        set by set_forward_context) through the pieces of the next captured
-        size; returns the hidden states of its rows (a view valid until the
-        next replay)."""
-        size = self.piecewise_size(num_tokens)
+        set by set_forward_context) through the pieces of `size` (its
+        piecewise_size); returns the hidden states of its rows (a view valid
+        until the next replay)."""
         pieces, between = self.piecewise[size]
         for piece, attention in zip(pieces, between):
             piece.replay()

@@ -158,8 +158,9 @@ class ModelRunner(abc.ABC):
         if graphs is not None and graphs.has_graph(inputs.padded_batch_size):
             return graphs.replay(inputs.padded_batch_size)
         with set_forward_context(inputs.metadata):
-            if graphs is not None and graphs.piecewise_size(inputs.num_tokens) is not None:
-                return graphs.replay_pieces(inputs.num_tokens)
+            size = None if graphs is None else graphs.piecewise_size(inputs.num_tokens)
+            if size is not None:
+                return graphs.replay_pieces(inputs.num_tokens, size)
             return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
