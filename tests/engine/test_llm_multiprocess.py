@@ -135,6 +135,14 @@ def test_the_core_starts_before_the_tokenizer_loads_and_gets_its_stop_ids(folder
         llm.shutdown()
 
 
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter on this one's import path, which must exit 0."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_the_core_starts_before_this_process_imports_torch(folder, tmp_path):
     """`from pagoda import LLM` imports no torch, and LLM(...) starts the core
     process before this one imports it (seconds each): the imports overlap."""
@@ -158,9 +166,7 @@ def test_the_core_starts_before_this_process_imports_torch(folder, tmp_path):
         print("tokens", len(out[0].outputs[0].token_ids))
         llm.shutdown()
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_python(str(script))
     assert "torch after import False" in run.stdout
     assert "cores at torch import [['pagoda-engine-core']]" in run.stdout
     assert "tokens 3" in run.stdout
@@ -173,9 +179,7 @@ def test_the_core_in_this_process_needs_no_process_channel(folder):
     script = (f"import sys; from pagoda import LLM, SamplingParams; llm = LLM({folder!r}, multiprocess=False, "
               f"**{ENGINE_ARGS!r}); out = llm.generate(['hi'], SamplingParams(max_tokens=2, ignore_eos=True), "
               "use_tqdm=False); print('tokens', len(out[0].outputs[0].token_ids), 'zmq', 'zmq' in sys.modules)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_python("-c", script)
     assert "tokens 2 zmq False" in run.stdout
 
 
@@ -234,9 +238,7 @@ def test_an_unguarded_script_runs_and_leaves_no_process(folder, tmp_path):
         out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         print("tokens", len(out[0].outputs[0].token_ids), "core", llm.llm_engine.core_pid)
     """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_python(str(script))
     line = next(line for line in run.stdout.splitlines() if line.startswith("tokens"))
     assert line.split()[1] == "4"
     assert not _alive(int(line.split()[3]))
