@@ -121,6 +121,33 @@ def test_hf_baseline_pads_left_and_counts_own_lengths(tiny_model):
     assert tokens == 9 and elapsed > 0
 
 
+def test_repeated_timed_runs_each_compute_their_prompts(tiny_model):
+    """Against peers, Pagoda's throughput is the median of as many runs as
+    theirs, and no run finds the prompts the one before it computed."""
+    import statistics
+
+    from pagoda import LLM
+    from pagoda.benchmarks.datasets import SampleRequest
+    from pagoda.benchmarks.throughput import run_pagoda
+
+    llm = LLM(tiny_model, skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_space=0.05,
+              block_size=4)
+    generate, cached = llm.generate, []
+
+    def recording(*args, **kwargs):
+        outputs = generate(*args, **kwargs)
+        cached.append([o.num_cached_tokens for o in outputs])
+        return outputs
+
+    llm.generate = recording
+    requests = [SampleRequest(list(range(10 + i, 30 + i)), 3) for i in range(3)]
+    figures, prompts = run_pagoda(llm, requests, [SampleRequest([1, 2, 3], 2)], 0.0, use_tqdm=False, runs=3)
+    assert cached[1:] == [[0, 0, 0]] * 3  # after the warm-up, three timed runs, none served from the cache
+    assert len(figures["runs"]) == 3
+    assert figures["elapsed_time"] == statistics.median(r["elapsed_time"] for r in figures["runs"])
+    assert figures["total_output_tokens"] == 9 and prompts == [r.prompt_token_ids for r in requests]
+
+
 def test_dummy_hf_model_has_the_shape():
     from pagoda.benchmarks.hf_baseline import load_hf_model
     from pagoda.config import ModelConfig

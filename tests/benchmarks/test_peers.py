@@ -22,8 +22,7 @@ COMMON = ("--skip-tokenizer-init", "--dtype", "float32", "--device", "cpu", "--k
 
 def test_compare_needs_the_binary(pagoda_cli, tiny_model, tmp_path):
     code, _, stderr = pagoda_cli("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "llama.cpp",
-                                 "--llama-cpp-bin", tmp_path / "missing", "--num-iters", "1",
-                                 "--no-enable-prefix-caching")
+                                 "--llama-cpp-bin", tmp_path / "missing", "--num-iters", "1")
     assert code != 0 and "tools/peers/build_llama_cpp.sh" in stderr and "is not an executable file" in stderr
 
 
@@ -48,16 +47,13 @@ def test_compare_vllm_needs_its_venv(pagoda_cli, tiny_model, tmp_path):
 def test_compare_vllm_needs_the_same_weights(pagoda_cli, tiny_model):
     # Any python passes the venv check; dummy weights are refused next.
     code, _, stderr = pagoda_cli("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "vllm",
-                                 "--vllm-python", sys.executable, "--load-format", "dummy",
-                                 "--no-enable-prefix-caching", "--num-iters", "1")
+                                 "--vllm-python", sys.executable, "--load-format", "dummy", "--num-iters", "1")
     assert code != 0 and "drop --load-format dummy" in stderr
 
 
-def test_compare_needs_fresh_prefills_and_one_sample(pagoda_cli, tiny_model):
-    args = ("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "vllm", "--num-iters", "1")
-    code, _, stderr = pagoda_cli(*args)
-    assert code != 0 and "--no-enable-prefix-caching" in stderr
-    code, _, stderr = pagoda_cli(*args, "--no-enable-prefix-caching", "--n", "2")
+def test_compare_needs_one_sample(pagoda_cli, tiny_model):
+    code, _, stderr = pagoda_cli("bench", "latency", "--model", tiny_model, *COMMON, "--compare", "vllm",
+                                 "--num-iters", "1", "--n", "2")
     assert code != 0 and "drop --n" in stderr
 
 
@@ -85,15 +81,14 @@ def test_llama_cpp_on_the_same_file(pagoda_cli, tmp_path):
     result = json.loads(out.read_text())
     peer = result["llama.cpp"]
     assert peer["total_output_tokens"] == result["pagoda"]["total_output_tokens"] == 24
+    assert len(result["pagoda"]["runs"]) == len(peer["runs"]) == 1
     assert peer["elapsed_time"] > 0 and peer["decode_tokens_per_second"] > 0
     assert "-npl 3" in peer["command"] and gguf in peer["command"]
     assert "pagoda / llama.cpp output throughput" in stdout
     out = tmp_path / "latency.json"
     latency = ("bench", "latency", *args, "--batch-size", "1", "--input-len", "16", "--output-len", "8",
                "--num-iters-warmup", "0", "--num-iters", "1", "--output-json", out)
-    code, _, stderr = pagoda_cli(*latency)
-    assert code != 0 and "--no-enable-prefix-caching" in stderr  # a cached prompt is no fair match
-    code, stdout, stderr = pagoda_cli(*latency, "--no-enable-prefix-caching")
+    code, stdout, stderr = pagoda_cli(*latency)  # each run from an empty prefix cache, as llama.cpp's
     assert code == 0, stderr
     assert json.loads(out.read_text())["llama.cpp"]["elapsed_time"] > 0
     assert "pagoda / llama.cpp latency" in stdout
@@ -113,7 +108,8 @@ def test_vllm_on_the_same_weights(pagoda_cli, tmp_path):
     peer = result["vllm"]
     assert peer["total_output_tokens"] == result["pagoda"]["total_output_tokens"]
     assert peer["total_prompt_tokens"] == result["pagoda"]["total_prompt_tokens"]
-    assert peer["dtype"] == "bfloat16" and result["dtype"] == "torch.float32" and len(peer["runs"]) == 2
+    assert peer["dtype"] == "bfloat16" and result["dtype"] == "torch.float32"
+    assert len(peer["runs"]) == len(result["pagoda"]["runs"]) == 2  # Pagoda's median of as many runs
     assert all(0 < r["prefill_time"] < r["elapsed_time"] for r in peer["runs"])
     assert "VLLM_CPU_OMP_THREADS_BIND=" in peer["command"] and "libiomp5.so" in peer["command"]
     assert "pagoda / vllm output throughput" in stdout

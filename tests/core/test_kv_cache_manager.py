@@ -93,6 +93,21 @@ def test_caching_off_never_hits():
     assert not kv.pool.cached_block_hash_to_block
 
 
+def test_reset_forgets_every_prefix_once_no_block_is_held():
+    kv = KVCacheManager(8, BLOCK)
+    admit(kv, make_request("a", list(range(12))))
+    assert not kv.pool.reset_prefix_cache()  # a holds its (cached) blocks: nothing changes
+    assert len(kv.pool.cached_block_hash_to_block) == 3
+    kv.free("a")
+    assert kv.pool.reset_prefix_cache()
+    assert not kv.pool.cached_block_hash_to_block
+    assert all(block.block_hash is None for block in kv.pool.blocks)
+    assert admit(kv, make_request("b", list(range(12)))) == 0  # computed again
+    assert len(kv.pool.cached_block_hash_to_block) == 3  # and cached again
+    kv.free("b")
+    assert kv.num_free_blocks == 8
+
+
 def test_blocks_without_a_hash_are_reused_first():
     """Freed blocks that hold no prefix-cache entry come back first, most
     recently freed first: without caching, a run keeps reusing the same

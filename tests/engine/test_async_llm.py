@@ -281,6 +281,28 @@ def test_the_event_loop_keeps_running_while_the_engine_steps(inproc_llm, monkeyp
     assert max(gaps) < elapsed / 4
 
 
+def test_reset_prefix_cache_between_streams_and_refused_during_one(llm):
+    prompt = list(range(30, 70))
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        first = (await collect(llm, prompt, "a"))[-1]
+        cached = (await collect(llm, prompt, "b"))[-1].num_cached_tokens
+        reset = await llm.reset_prefix_cache()
+        again = (await collect(llm, prompt, "c"))[-1]
+        stream = llm.generate([1, 2, 3], long, "held")
+        await stream.__anext__()  # running: its blocks are held
+        refused = await llm.reset_prefix_cache()
+        await stream.aclose()  # aborted: its blocks come back
+        await wait_pool_full(llm)
+        return first, cached, reset, again, refused, await llm.reset_prefix_cache()
+
+    first, cached, reset, again, refused, after = asyncio.run(main())
+    assert cached > 0 and reset is True and again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert refused is False and after is True
+
+
 @pytest.mark.parametrize("mode", ["sync", "process"])
 def test_shutdown_stops_the_core_and_fails_later_calls(folder, mode):
     llm = make(folder, mode)
@@ -295,6 +317,8 @@ def test_shutdown_stops_the_core_and_fails_later_calls(folder, mode):
             os.kill(pid, 0)
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm, [1, 2], "after-shutdown"))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.reset_prefix_cache())
     llm.shutdown()  # idempotent
 
 

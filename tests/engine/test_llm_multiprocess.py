@@ -220,6 +220,28 @@ def test_a_dead_core_ends_generate_with_an_error(folder):
     llm.shutdown()
 
 
+def test_reset_prefix_cache_reaches_the_core_process(folder):
+    llm = LLM(folder, multiprocess=True, block_size=4, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    try:
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
+        assert llm.reset_prefix_cache() is True
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+        with pytest.raises(ValueError, match="no utility method 'shutdown'"):  # only the listed methods
+            llm.llm_engine.client.call_utility("shutdown")
+        with pytest.raises(TypeError):  # a bad call fails alone; the core serves on
+            llm.llm_engine.client.call_utility("reset_prefix_cache", 1)
+        assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
+        os.kill(llm.llm_engine.core_pid, signal.SIGKILL)
+        with pytest.raises(EngineCoreDiedError):  # no hang waiting for an answer
+            llm.reset_prefix_cache()
+    finally:
+        llm.shutdown()
+
+
 def test_dropping_the_llm_stops_its_core(folder):
     llm = LLM(folder, multiprocess=True, **ENGINE_ARGS)
     pid = llm.llm_engine.core_pid

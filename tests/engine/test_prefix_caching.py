@@ -57,6 +57,36 @@ def test_shared_prefix_computes_only_the_tail(family):
     assert_pool_full(llm)
 
 
+def test_reset_prefix_cache_makes_a_prompt_compute_again(family):
+    name, model, folder = family
+    llm = LLM(folder, dtype="float32", block_size=4, kv_cache_space=0.05)
+    prompt = PREFIX + [7, 8, 9]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens == 40
+    assert llm.reset_prefix_cache()
+    counts = count_computed_tokens(llm)
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and counts["2"] == len(prompt) + 9
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(model, prompt, 10), name
+    assert_pool_full(llm)
+
+
+def test_reset_prefix_cache_refuses_while_a_request_holds_blocks(family):
+    _, _, folder = family
+    llm = LLM(folder, dtype="float32", block_size=4, kv_cache_space=0.05)
+    engine = llm.llm_engine
+    engine.add_request("held", PREFIX, GREEDY)
+    engine.step()  # the prompt is computed and cached; the request runs on
+    cached = dict(engine.kv_cache_manager.pool.cached_block_hash_to_block)
+    assert cached and not llm.reset_prefix_cache()
+    assert engine.kv_cache_manager.pool.cached_block_hash_to_block == cached  # nothing changed
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache()
+    assert not engine.kv_cache_manager.pool.cached_block_hash_to_block
+    assert_pool_full(llm)
+
+
 @pytest.mark.parametrize("preempt", [False, True], ids=["roomy", "preempting"])
 def test_outputs_identical_with_caching_on_and_off(family, preempt):
     name, model, folder = family

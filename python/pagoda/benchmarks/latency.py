@@ -56,18 +56,18 @@ def main(args: argparse.Namespace) -> dict:
     requests = RandomDataset(model_config.hf_config.vocab_size, args.seed,
                              special_token_ids(model_config.hf_config)).sample(spec)
     verify_fits(requests, model_config.max_model_len)
-    if args.compare:  # checked before the timed runs
-        if args.n != 1:
-            raise ValueError("--compare runs one sample per prompt: drop --n")
-        if engine_args.enable_prefix_caching:  # else every run after the first finds its prompt cached
-            raise ValueError("--compare times a fresh prefill each run, as the peers do: "
-                             "add --no-enable-prefix-caching")
+    if args.compare and args.n != 1:  # checked before the timed runs
+        raise ValueError("--compare runs one sample per prompt: drop --n")
     temperature = 1.0
     peers = prepare_peers(args, engine_args, model_config, requests, temperature, torch.get_num_threads())
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = SamplingParams(n=args.n, temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
     def run_to_completion() -> float:
+        # Against peers, each run computes its prompts afresh, as theirs do
+        # (else every run after the first finds them in the prefix cache).
+        if args.compare and not llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset between runs: requests still hold KV blocks")
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - started

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 from dataclasses import asdict
 
@@ -55,11 +56,12 @@ def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_toke
 
 
 def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
-               structured: bool = False) -> tuple[dict, list[list[int]]]:
-    """Times LLM.generate on `requests` after a run of `warmup` (requests of
-    other tokens: the timed ones must not find themselves in the prefix cache;
-    with `structured`, their grammar compiles there); returns the figures and
-    the prompts' ids as the engine took them."""
+               structured: bool = False, runs: int = 1) -> tuple[dict, list[list[int]]]:
+    """Times LLM.generate on `requests`, `runs` times (the median run's
+    figures), after a run of `warmup` (requests of other tokens; with
+    `structured`, their grammar compiles there). Each timed run starts from
+    an empty prefix cache, so none finds its prompts computed. Returns the
+    figures and the prompts' ids as the engine took them."""
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured else None
@@ -72,12 +74,17 @@ def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
                  [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True, structured_outputs=constraint)
                   for r in warmup], use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    elapsed = time.perf_counter() - started
+    times = []
+    for _ in range(runs):
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset between runs: requests still hold KV blocks")
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        times.append(time.perf_counter() - started)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompts = [o.prompt_token_ids for o in outputs]
-    return summarize(elapsed, len(requests), sum(map(len, prompts)), output_tokens), prompts
+    figures = summarize(statistics.median(times), len(requests), sum(map(len, prompts)), output_tokens)
+    return dict(figures, runs=[dict(elapsed_time=t) for t in times]), prompts
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -98,8 +105,10 @@ def main(args: argparse.Namespace) -> dict:
     prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
+    # Against peers, Pagoda runs as often as each of them (its median too).
     figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
-                                  structured=args.structured_output is not None)
+                                  structured=args.structured_output is not None,
+                                  runs=args.compare_runs if peers else 1)
     results = dict(pagoda=figures)
     for name, run in peers.items():  # the same token ids (text prompts: as the engine encoded them)
         peer = run(prompts, [r.expected_output_len for r in requests])
@@ -127,9 +136,10 @@ def main(args: argparse.Namespace) -> dict:
     for name in ("pagoda", "hf", *PEERS):
         if name in results:
             r = results[name]
+            runs = f", median of {len(r['runs'])}" if len(r.get("runs", ())) > 1 else ""
             print(f"{name:<9} Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} "
                   f"total tokens/s, {r['output_tokens_per_second']:.2f} output tokens/s "
-                  f"({r['total_output_tokens']} tokens in {r['elapsed_time']:.1f} s)")
+                  f"({r['total_output_tokens']} tokens in {r['elapsed_time']:.1f} s{runs})")
     if "pagoda_over_hf" in results:
         print(f"pagoda / hf output throughput: {results['pagoda_over_hf']:.2f}x")
     for name in peers:

@@ -142,6 +142,16 @@ class BlockPool:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False, changing nothing, while any
+        block is referenced (a running sequence's blocks may be cached)."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drops one reference from each block; unreferenced blocks become free.
         Cached ones keep their hash until allocate() reuses them, least

@@ -367,6 +367,15 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, between the core's steps; False,
+        changing nothing, while requests hold KV blocks."""
+        self._raise_if_dead()
+        try:
+            return await asyncio.wrap_future(self.client.call_utility("reset_prefix_cache"))
+        except EngineCoreDiedError as exc:
+            raise EngineDeadError(f"the engine is dead: {exc}") from exc
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stops the engine core (after its current step); pending streams
         get EngineDeadError. Idempotent."""

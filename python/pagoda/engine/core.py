@@ -48,6 +48,10 @@ logger = init_logger(__name__)
 # its inbox again.
 COMPILE_POLL_S = 0.01
 
+# What front ends may call on the core by name (call_utility), in process or
+# across the core's channel.
+UTILITY_METHODS = frozenset({"reset_prefix_cache"})
+
 _FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
     "length": RequestStatus.FINISHED_LENGTH,
@@ -196,6 +200,24 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.sequences or self._ended)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's name), so a workload run
+        again computes its prompts again (benchmarks' repeated runs). False,
+        changing nothing, while sequences hold KV blocks: finish or abort
+        them first."""
+        if self.kv_cache_manager.pool.reset_prefix_cache():
+            logger.info("prefix cache reset")
+            return True
+        logger.warning("cannot reset the prefix cache while %d sequences hold KV blocks", len(self.sequences))
+        return False
+
+    def call_utility(self, method: str, args: tuple):
+        """A front end's call of one of UTILITY_METHODS (UtilityCall);
+        ValueError for any other name."""
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"the engine core has no utility method {method!r} (it has: {sorted(UTILITY_METHODS)})")
+        return getattr(self, method)(*args)
 
     def stats(self) -> SchedulerStats:
         kv, scheduler = self.kv_cache_manager, self.scheduler

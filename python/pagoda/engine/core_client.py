@@ -8,7 +8,10 @@ the engine's step() (with its core here: llm_engine.SyncInprocClient)."""
 
 from __future__ import annotations
 
+import builtins
+import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
 import os
 import queue
@@ -23,7 +26,7 @@ import zmq
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-                                         EngineCoreRequest, RequestType)
+                                         EngineCoreRequest, RequestType, UtilityCall, UtilityResult)
 from pagoda.logger import init_logger
 from pagoda.process_watch import raise_startup_error, spawn
 
@@ -38,6 +41,20 @@ class EngineCoreDiedError(RuntimeError):
     """The engine core stopped: a fault no request explains, or its process ended."""
 
 
+def utility_outcome(future: concurrent.futures.Future, method: str, result: UtilityResult) -> None:
+    """Settles a utility call's future with what the core answered: its
+    result, or what it raised, as the same error where that is a ValueError
+    or TypeError (the caller's arguments), else a RuntimeError naming it."""
+    if result.error_type is None:
+        future.set_result(result.result)
+        return
+    error = getattr(builtins, result.error_type, None)
+    if isinstance(error, type) and issubclass(error, (ValueError, TypeError)):
+        future.set_exception(error(result.error))
+    else:
+        future.set_exception(RuntimeError(f"the engine core's {method} failed: {result.error_type}: {result.error}"))
+
+
 class InprocClient:
     """The core steps in a background thread of this process: the thread
     alone touches it (no locks), blocks on its command queue when idle and
@@ -50,6 +67,8 @@ class InprocClient:
         self.ready = core.ready_message()
         self.on_outputs, self.on_dead = on_outputs, on_dead
         self._commands: queue.Queue = queue.Queue()
+        self._closed_lock = threading.Lock()
+        self._closed = False  # the loop ended: a command put now would never be read
         self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
 
@@ -62,6 +81,18 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._commands.put((RequestType.ABORT, request_ids))
+
+    def call_utility(self, method: str, *args) -> concurrent.futures.Future:
+        """Runs core.UTILITY_METHODS' `method` on the loop's thread between
+        steps; the future holds its result or what it raised
+        (EngineCoreDiedError once the loop has ended)."""
+        future = concurrent.futures.Future()
+        with self._closed_lock:
+            if self._closed:
+                future.set_exception(EngineCoreDiedError("the engine loop has stopped"))
+            else:
+                self._commands.put((RequestType.UTILITY, (future, method, args)))
+        return future
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -92,6 +123,11 @@ class InprocClient:
             logger.exception("the engine loop failed; failing every request")
             self.on_dead(exc)
         finally:
+            with self._closed_lock:
+                self._closed = True
+            while (command := self._next_command()) is not None:
+                if command is not self._STOP and command[0] is RequestType.UTILITY:
+                    command[1][0].set_exception(EngineCoreDiedError("the engine loop has stopped"))
             core.shutdown()
 
     def _next_command(self):
@@ -103,8 +139,14 @@ class InprocClient:
     def _apply(self, kind: RequestType, payload) -> None:
         if kind is RequestType.ADD:
             self.core.add_requests(payload)
-        else:
+        elif kind is RequestType.ABORT:
             self.core.abort_requests(payload)
+        else:
+            future, method, args = payload
+            try:
+                future.set_result(self.core.call_utility(method, args))
+            except Exception as exc:  # noqa: BLE001 -- the caller gets it, the loop serves on
+                future.set_exception(exc)
 
 
 class CoreStart:
@@ -224,6 +266,9 @@ class MPClient:
         self.input.connect(input_address)
         self._send_lock = threading.Lock()
         self._closing = False
+        self._gone: BaseException | None = None  # why outputs stopped; set under _send_lock
+        self._calls: dict[int, tuple[concurrent.futures.Future, str]] = {}  # utility calls awaiting a result
+        self._call_ids = itertools.count()
         self.heartbeat = time.monotonic()
         self._send(RequestType.HELLO, ENCODER.encode((client_index, output_address)))
         kind, payload = self._recv_ready()
@@ -247,6 +292,29 @@ class MPClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(RequestType.ABORT, ENCODER.encode(request_ids))
+
+    def call_utility(self, method: str, *args) -> concurrent.futures.Future:
+        """Calls core.UTILITY_METHODS' `method` between the core's steps; the
+        future holds its result or what it raised (utility_outcome), or
+        EngineCoreDiedError once the core is gone or this client shut down."""
+        future = concurrent.futures.Future()
+        with self._send_lock:
+            if self._closing or self._gone is not None:
+                future.set_exception(EngineCoreDiedError(f"the engine core is gone: {self._gone or 'shut down'}"))
+                return future
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (future, method)
+            call = UtilityCall(self.client_index, call_id, method, list(args))
+            self.input.send_multipart([RequestType.UTILITY.value, ENCODER.encode(call)])
+        return future
+
+    def _fail_calls(self, reason: BaseException) -> None:
+        """No result will come: every pending utility call fails, and later ones at once."""
+        with self._send_lock:
+            self._gone = self._gone or reason
+            calls, self._calls = self._calls, {}
+        for future, _ in calls.values():
+            future.set_exception(EngineCoreDiedError(f"the engine core is gone: {reason}"))
 
     def _send(self, kind: RequestType, payload: bytes) -> None:
         with self._send_lock:
@@ -286,9 +354,16 @@ class MPClient:
                 if kind is RequestType.OUTPUTS:
                     self.heartbeat = time.monotonic()
                     self.on_outputs(decode_outputs.decode(payload.buffer))
+                elif kind is RequestType.UTILITY_RESULT:
+                    result = DECODERS[kind].decode(payload.buffer)
+                    with self._send_lock:
+                        call = self._calls.pop(result.call_id, None)
+                    if call is not None:
+                        utility_outcome(*call, result)
                 elif kind is RequestType.DEAD:
                     raise EngineCoreDiedError(f"the engine core failed: {DECODERS[kind].decode(payload.buffer)}")
         except BaseException as exc:  # noqa: BLE001 -- any failure must reach the waiters
+            self._fail_calls(exc)
             if not self._closing:
                 logger.error("the engine core is gone: %s; failing every request", exc)
                 self.on_dead(exc)
@@ -303,6 +378,7 @@ class MPClient:
             stop_engine_core(self.process, self.address, self.socket_dir, timeout)
         if threading.current_thread() is not self._thread:
             self._thread.join(self.POLL_MS / 1000 + 1)
+        self._fail_calls(EngineCoreDiedError("the client shut down"))
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.context.term()
@@ -333,6 +409,10 @@ class SyncMPClient:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._client.abort_requests(request_ids)
+
+    def call_utility(self, method: str, *args):
+        """core.UTILITY_METHODS' `method`'s result, once the core has run it."""
+        return self._client.call_utility(method, *args).result()
 
     def get_outputs(self) -> list[EngineCoreOutput]:
         """Every sequence output of the steps that arrived (at least one);

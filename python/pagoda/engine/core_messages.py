@@ -10,6 +10,7 @@ into n of them (child ids, seeds counted on) and gathers their outputs."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -81,6 +82,22 @@ class EngineCoreReady(msgspec.Struct, array_like=True):
     device: str  # e.g. "cuda:0"
 
 
+class UtilityCall(msgspec.Struct, array_like=True):
+    """A front end calls one of core.UTILITY_METHODS; the core runs it between steps."""
+
+    client_index: int  # whose output socket gets the UtilityResult
+    call_id: int  # unique per client, echoed in the result
+    method: str
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error_type: str | None = None  # the call raised: the exception's type name and message
+    error: str | None = None
+
+
 class RequestType(bytes, enum.Enum):
     """The first frame of every message on the core's channel."""
 
@@ -91,6 +108,8 @@ class RequestType(bytes, enum.Enum):
     READY = b"\x04"  # EngineCoreReady
     OUTPUTS = b"\x05"  # EngineCoreOutputs
     DEAD = b"\x06"  # the core died: the reason, as text
+    UTILITY = b"\x07"  # UtilityCall
+    UTILITY_RESULT = b"\x08"  # UtilityResult, to the caller's output socket
 
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -101,4 +120,6 @@ DECODERS = {
     RequestType.READY: msgspec.msgpack.Decoder(EngineCoreReady),
     RequestType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
     RequestType.DEAD: msgspec.msgpack.Decoder(str),
+    RequestType.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
+    RequestType.UTILITY_RESULT: msgspec.msgpack.Decoder(UtilityResult),
 }

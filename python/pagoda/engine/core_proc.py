@@ -7,7 +7,8 @@ process) pushes requests to; each front end binds a PULL socket of its own
 and announces it with HELLO, and the core pushes that front end's outputs
 there -- one message per step, every sequence's new token ids in it, with
 the scheduler's stats. Frames are [RequestType, msgpack payload]
-(core_messages). A receiver thread takes messages off the input socket and
+(core_messages). A UTILITY call (core.UTILITY_METHODS: reset_prefix_cache)
+runs between steps and is answered on its caller's socket. A receiver thread takes messages off the input socket and
 decodes them as they come (while the loop waits on the device), and the
 loop applies, between steps, those that had arrived when its pass began:
 a steady inflow of requests cannot keep it from stepping, decoding (about
@@ -32,7 +33,8 @@ import zmq
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.core import EngineCore
-from pagoda.engine.core_messages import DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, RequestType
+from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, RequestType,
+                                         UtilityCall, UtilityResult)
 from pagoda.logger import init_logger, tag_process_logs
 from pagoda.process_watch import exit_with_parent
 
@@ -161,8 +163,20 @@ class EngineCoreProc:
             socket.connect(address)
             self.clients[index] = socket
             socket.send_multipart([RequestType.READY.value, ENCODER.encode(self.core.ready_message())])
+        elif kind is RequestType.UTILITY:
+            self._call_utility(payload)
         elif kind is RequestType.SHUTDOWN:
             self.stopping = True
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        """Runs the call and answers its caller; a call that raises fails alone."""
+        try:
+            result = UtilityResult(call.call_id, self.core.call_utility(call.method, tuple(call.args)))
+        except Exception as exc:  # noqa: BLE001 -- the caller gets it, the core serves on
+            result = UtilityResult(call.call_id, error_type=type(exc).__name__, error=str(exc))
+        socket = self.clients.get(call.client_index)
+        if socket is not None:
+            socket.send_multipart([RequestType.UTILITY_RESULT.value, ENCODER.encode(result)])
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
         """One message per front end: its sequences' outputs and the stats."""

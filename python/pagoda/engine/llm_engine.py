@@ -44,6 +44,9 @@ class SyncInprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
+    def call_utility(self, method: str, *args):
+        return self.core.call_utility(method, args)
+
     def get_outputs(self) -> list[EngineCoreOutput]:
         return self.core.step()
 
@@ -168,6 +171,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (EngineCore.reset_prefix_cache);
+        False while requests hold KV blocks."""
+        return self.client.call_utility("reset_prefix_cache")
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.states)

@@ -84,6 +84,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, so prompts run again are computed
+        again (a benchmark's repeated runs); False while requests hold KV
+        blocks (none do between generate() calls)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
