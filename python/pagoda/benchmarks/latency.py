@@ -13,7 +13,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from pagoda.benchmarks.datasets import DatasetSpec, RandomDataset, special_token_ids, verify_fits
-from pagoda.benchmarks.peers import add_compare_args, prepare_peers, print_peer
+from pagoda.benchmarks.peers import add_compare_args, prepare_peers, print_peer, run_peer
 from pagoda.entrypoints.cli_args import (add_engine_args, add_multiprocess_arg, engine_args_from_cli, non_negative_int,
                                          positive_int)
 
@@ -80,8 +80,9 @@ def main(args: argparse.Namespace) -> dict:
     print(f"Avg latency: {results['avg_latency']} seconds")
     for percentage, value in results["percentiles"].items():
         print(f"{percentage}% percentile latency: {value} seconds")
-    for name, run in peers.items():
-        peer = results[name] = run([r.prompt_token_ids for r in requests], [r.expected_output_len for r in requests])
+    for name, start in peers.items():
+        peer = results[name] = run_peer(start, [r.prompt_token_ids for r in requests],
+                                        [r.expected_output_len for r in requests], args.compare_runs)
         print(f"{name} latency: {peer['elapsed_time']} seconds")
         print_peer(name, peer)
         print(f"pagoda / {name} latency: {results['avg_latency'] / peer['elapsed_time']:.2f}x")

@@ -1,6 +1,10 @@
 """Other engines on the same workload in the same command (`--compare`), so a
-ratio never mixes machines or moments. Each peer runs after Pagoda's timed
-run, with Pagoda's thread count, --compare-runs times; the median is reported.
+ratio never mixes machines or moments. A peer runs with Pagoda's thread count
+as many times as Pagoda (--compare-runs), the medians reported: `bench
+throughput` alternates them (Pagoda's run, then each peer's, --compare-runs
+times; a peer starts after Pagoda's first run, once the prompts' ids are
+known), so a slow spell of the machine hits both; `bench latency` runs the
+peers after Pagoda's iterations.
 
 llama.cpp: its `llama-batched-bench` on the same .gguf file: --batch-size (or
 --num-prompts) sequences of --input-len prompt tokens, each generating
@@ -22,27 +26,30 @@ as vLLM's CPU documentation says: its OpenMP threads bound to Pagoda's
 thread count of CPUs (VLLM_CPU_OMP_THREADS_BIND), tcmalloc and the venv's
 Intel OpenMP preloaded (without them it ran at under half the speed here).
 vLLM starts (and compiles) in about a minute, so one engine serves all
-runs: the workload once to warm up (Pagoda's own warmup is shorter: the
-comparison favours vLLM slightly), then per run the prefill alone (one
-output token each) and the whole workload; decode tokens/s is the tokens
-after the first over the difference of the two times.
+runs, idle between them: the workload once to warm up (Pagoda's own warmup
+is shorter: the comparison favours vLLM slightly), then per run the prefill
+alone (one output token each) and the whole workload; decode tokens/s is
+the tokens after the first over the difference of the two times.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes.util
 import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
+from pagoda.benchmarks.vllm_peer import ANSWER
 from pagoda.config import CacheConfig
 from pagoda.entrypoints.cli_args import positive_int
 
@@ -52,11 +59,33 @@ PEERS = ("llama.cpp", "vllm")
 VLLM_DTYPES = ("float32", "bfloat16")
 VLLM_DRIVER = Path(__file__).with_name("vllm_peer.py")
 
-# A peer's run: (prompt token ids, output lengths) -> its figures (median over
-# the runs): elapsed_time (prefill + generation, s), decode_tokens_per_second,
-# prefill_tokens_per_second, total_prompt_tokens, total_output_tokens, runs,
-# command.
-PeerRun = Callable[[list[list[int]], list[int]], dict]
+# Starts a peer on (prompt token ids, output lengths): a PeerSession.
+PeerStart = Callable[[list[list[int]], list[int]], "PeerSession"]
+
+
+class PeerSession(Protocol):
+    """A peer ready to run the workload: run() times it once; figures() are
+    medians over the runs so far: elapsed_time (prefill + generation, s),
+    decode_tokens_per_second, prefill_tokens_per_second,
+    total_prompt_tokens, total_output_tokens, runs, command; stop() ends the
+    peer (always called, also after a failure)."""
+
+    def run(self) -> None: ...
+
+    def figures(self) -> dict: ...
+
+    def stop(self) -> None: ...
+
+
+def run_peer(start: PeerStart, prompts: list[list[int]], output_lens: list[int], runs: int) -> dict:
+    """A peer's figures over `runs` runs in a row."""
+    session = start(prompts, output_lens)
+    try:
+        for _ in range(runs):
+            session.run()
+        return session.figures()
+    finally:
+        session.stop()
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -71,20 +100,21 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
                             "tools/peers/install_vllm_cpu.sh makes it")
     group.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default=None,
                        help="vLLM's dtype (default: Pagoda's)")
-    group.add_argument("--compare-runs", type=positive_int, default=3, help="runs of each peer; the median is reported")
+    group.add_argument("--compare-runs", type=positive_int, default=3, help="runs of each engine, Pagoda's too (alternating in bench throughput); "
+                            "the medians are reported")
 
 
 def prepare_peers(args: argparse.Namespace, engine_args, model_config, requests, temperature: float,
-                  threads: int) -> dict[str, PeerRun]:
-    """Each --compare peer's run, after every check that can fail before
+                  threads: int) -> dict[str, PeerStart]:
+    """Each --compare peer's start, after every check that can fail before
     Pagoda's timed run (a missing binary or venv, a model the peer cannot
     load, a workload it cannot run)."""
     peers = {}
     if "llama.cpp" in args.compare:
         binary, gguf = llama_cpp_binary(args.llama_cpp_bin), check_gguf(model_config)
         prompt_len, output_len = check_fixed_lengths(requests)
-        peers["llama.cpp"] = lambda prompts, output_lens: run_llama_cpp(
-            binary, gguf, len(prompts), prompt_len, output_len, threads, args.compare_runs)
+        peers["llama.cpp"] = lambda prompts, output_lens: LlamaCppSession(
+            binary, gguf, len(prompts), prompt_len, output_len, threads)
     if "vllm" in args.compare:
         if model_config.device.type != "cpu":
             raise ValueError("--compare vllm runs vLLM's CPU package: run Pagoda on the CPU too (--device cpu)")
@@ -96,8 +126,8 @@ def prepare_peers(args: argparse.Namespace, engine_args, model_config, requests,
                         skip_tokenizer_init=model_config.skip_tokenizer_init,
                         dtype=args.vllm_dtype or str(model_config.torch_dtype).removeprefix("torch."),
                         max_model_len=model_config.max_model_len, kv_cache_bytes=kv_cache_bytes, seed=model_config.seed)
-        peers["vllm"] = lambda prompts, output_lens: run_vllm(
-            python, preload, settings, prompts, output_lens, temperature, threads, args.compare_runs)
+        peers["vllm"] = lambda prompts, output_lens: VllmSession(
+            python, preload, settings, prompts, output_lens, temperature, threads)
     return peers
 
 
@@ -136,26 +166,36 @@ def check_fixed_lengths(requests) -> tuple[int, int]:
     return shapes.pop()
 
 
-def run_llama_cpp(binary: str, gguf: str, parallel: int, prompt_len: int, output_len: int, threads: int,
-                  runs: int) -> dict:
+class LlamaCppSession:
     """llama-batched-bench's figures for `parallel` sequences at once, one
     process a run."""
-    command = [binary, "-m", gguf, "-c", str(parallel * (prompt_len + output_len)), "-b", "2048", "-ub", "512",
-               "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(parallel), "-t", str(threads),
-               "-tb", str(threads), "--output-format", "jsonl"]
-    rows = []
-    for _ in range(runs):
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+
+    def __init__(self, binary: str, gguf: str, parallel: int, prompt_len: int, output_len: int, threads: int):
+        self.command = [binary, "-m", gguf, "-c", str(parallel * (prompt_len + output_len)), "-b", "2048",
+                        "-ub", "512", "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(parallel),
+                        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+        self.parallel, self.prompt_len, self.output_len = parallel, prompt_len, output_len
+        self.rows: list[dict] = []
+
+    def run(self) -> None:
+        done = subprocess.run(self.command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
-            raise RuntimeError(f"llama-batched-bench failed (exit {done.returncode}): {' '.join(command)}\n"
-                               + _tail(done))
-        rows.append(json.loads(lines[-1]))
-    return dict(elapsed_time=statistics.median(r["t"] for r in rows),
-                decode_tokens_per_second=statistics.median(r["speed_tg"] for r in rows),
-                prefill_tokens_per_second=statistics.median(r["speed_pp"] for r in rows),
-                total_prompt_tokens=parallel * prompt_len, total_output_tokens=parallel * output_len,
-                runs=rows, command=" ".join(command))
+            raise RuntimeError(f"llama-batched-bench failed (exit {done.returncode}): {' '.join(self.command)}\n"
+                               + _tail(done.stderr or done.stdout))
+        self.rows.append(json.loads(lines[-1]))
+
+    def stop(self) -> None:
+        """Nothing runs between runs."""
+
+    def figures(self) -> dict:
+        rows = self.rows
+        return dict(elapsed_time=statistics.median(r["t"] for r in rows),
+                    decode_tokens_per_second=statistics.median(r["speed_tg"] for r in rows),
+                    prefill_tokens_per_second=statistics.median(r["speed_pp"] for r in rows),
+                    total_prompt_tokens=self.parallel * self.prompt_len,
+                    total_output_tokens=self.parallel * self.output_len,
+                    runs=rows, command=" ".join(self.command))
 
 
 def vllm_python(path: str | None) -> tuple[str, str]:
@@ -222,36 +262,98 @@ def cpu_list(threads: int) -> str:
     return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0))[:threads])
 
 
-def run_vllm(python: str, preload: str, settings: dict, prompts: list[list[int]], output_lens: list[int],
-             temperature: float, threads: int, runs: int) -> dict:
-    """vllm_peer.py's figures, all runs in one vLLM engine."""
-    env = dict(LD_PRELOAD=preload, VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads))
-    options = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()
-               if value is not None and not isinstance(value, bool)]
-    options += [f"--{key.replace('_', '-')}" for key, value in settings.items() if value is True]
-    with tempfile.TemporaryDirectory() as work:
-        workload, output = os.path.join(work, "workload.json"), os.path.join(work, "figures.json")
+class VllmSession:
+    """vllm_peer.py in vLLM's venv: it loads the model and warms up here,
+    then times the workload once per run() (a line on its stdin, its
+    answer a marked line on its stdout); its log goes to a file, shown when
+    it fails. Between runs its processes are stopped (SIGSTOP): idle, vLLM
+    still polls (about 11% of a core here), which Pagoda's runs would pay."""
+
+    def __init__(self, python: str, preload: str, settings: dict, prompts: list[list[int]],
+                 output_lens: list[int], temperature: float, threads: int):
+        env = dict(LD_PRELOAD=preload, VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads))
+        options = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()
+                   if value is not None and not isinstance(value, bool)]
+        options += [f"--{key.replace('_', '-')}" for key, value in settings.items() if value is True]
+        self.work = tempfile.TemporaryDirectory()
+        workload = os.path.join(self.work.name, "workload.json")
         with open(workload, "w") as f:
             json.dump(dict(prompt_token_ids=prompts, output_lens=output_lens, temperature=temperature), f)
-        command = [python, str(VLLM_DRIVER), workload, output, *options, f"--runs={runs}"]
-        done = subprocess.run(command, env=dict(os.environ, **env), capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not os.path.exists(output):
-            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {' '.join(command)}\n" + _tail(done, 20))
-        with open(output) as f:
-            figures = json.load(f)
-    rows = figures["runs"]
-    prompt_tokens, output_tokens = sum(map(len, prompts)), sum(output_lens)
-    if any(r["output_tokens"] != output_tokens for r in rows):  # EOS ignored: every request runs to its length
-        raise RuntimeError(f"vLLM generated {[r['output_tokens'] for r in rows]} tokens, not {output_tokens}")
-    decode_tokens = output_tokens - len(prompts)  # the first token of each comes with the prefill
-    return dict(elapsed_time=statistics.median(r["elapsed_time"] for r in rows),
-                decode_tokens_per_second=statistics.median(
-                    decode_tokens / (r["elapsed_time"] - r["prefill_time"]) for r in rows),
-                prefill_tokens_per_second=statistics.median(prompt_tokens / r["prefill_time"] for r in rows),
-                total_prompt_tokens=prompt_tokens, total_output_tokens=output_tokens,
-                runs=rows, version=figures["vllm_version"], dtype=figures["dtype"],
-                command=" ".join([*(f"{k}={v}" for k, v in env.items()), *command]))
+        command = [python, str(VLLM_DRIVER), workload, *options]
+        self.command = " ".join([*(f"{k}={v}" for k, v in env.items()), *command])
+        self.prompt_tokens, self.output_tokens = sum(map(len, prompts)), sum(output_lens)
+        self.num_prompts = len(prompts)
+        self.log = open(os.path.join(self.work.name, "vllm.log"), "w+")
+        # A process group of its own: its engine's processes are paused as
+        # one. Should this process die without stop(), the driver is killed,
+        # and the group, orphaned then, gets SIGHUP and SIGCONT from the kernel.
+        self.process = subprocess.Popen(command, env=dict(os.environ, **env), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, process_group=0,
+                                        preexec_fn=_killed_with_parent)
+        self.rows: list[dict] = []
+        try:
+            self.ready = self._answer()  # vllm_version, dtype
+        except BaseException:
+            self.stop()
+            raise
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def _answer(self) -> dict:
+        """The driver's next answer (vLLM's own prints to stdout skipped)."""
+        for line in self.process.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+        self.process.wait()
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM failed (exit {self.process.returncode}): {self.command}\n"
+                           + _tail(self.log.read(), 20))
+
+    def run(self) -> None:
+        self._signal(signal.SIGCONT)
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        row = self._answer()
+        self._signal(signal.SIGSTOP)
+        if row["output_tokens"] != self.output_tokens:  # EOS ignored: every request runs to its length
+            raise RuntimeError(f"vLLM generated {row['output_tokens']} tokens, not {self.output_tokens}")
+        self.rows.append(row)
+
+    def stop(self) -> None:
+        """Ends the driver (its stdin closed: it exits after its current run). Idempotent."""
+        if self.process.stdout.closed:
+            return
+        self._signal(signal.SIGCONT)
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+        self.log.close()
+        self.work.cleanup()
+
+    def figures(self) -> dict:
+        rows = self.rows
+        decode_tokens = self.output_tokens - self.num_prompts  # the first token of each comes with the prefill
+        return dict(elapsed_time=statistics.median(r["elapsed_time"] for r in rows),
+                    decode_tokens_per_second=statistics.median(
+                        decode_tokens / (r["elapsed_time"] - r["prefill_time"]) for r in rows),
+                    prefill_tokens_per_second=statistics.median(self.prompt_tokens / r["prefill_time"] for r in rows),
+                    total_prompt_tokens=self.prompt_tokens, total_output_tokens=self.output_tokens,
+                    runs=rows, version=self.ready["vllm_version"], dtype=self.ready["dtype"], command=self.command)
 
 
-def _tail(done: subprocess.CompletedProcess, lines: int = 5) -> str:
-    return "\n".join((done.stderr or done.stdout).splitlines()[-lines:])
+def _killed_with_parent() -> None:
+    """In a child before it runs: SIGKILL when the thread that started it
+    ends (Linux's PR_SET_PDEATHSIG; it reaches a stopped process too)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return "\n".join(text.splitlines()[-lines:])

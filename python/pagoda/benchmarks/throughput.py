@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict
+from typing import Callable
 
 from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
@@ -55,13 +56,15 @@ def summarize(elapsed: float, num_requests: int, prompt_tokens: int, output_toke
     )
 
 
-def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
-               structured: bool = False, runs: int = 1) -> tuple[dict, list[list[int]]]:
+def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True, structured: bool = False,
+               runs: int = 1, after_run: Callable[[list[list[int]]], None] | None = None
+               ) -> tuple[dict, list[list[int]]]:
     """Times LLM.generate on `requests`, `runs` times (the median run's
     figures), after a run of `warmup` (requests of other tokens; with
     `structured`, their grammar compiles there). Each timed run starts from
-    an empty prefix cache, so none finds its prompts computed. Returns the
-    figures and the prompts' ids as the engine took them."""
+    an empty prefix cache, so none finds its prompts computed; after each,
+    after_run gets the prompts' ids as the engine took them (the peers'
+    turn). Returns the figures and those ids."""
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
     constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if structured else None
@@ -81,6 +84,8 @@ def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         times.append(time.perf_counter() - started)
+        if after_run is not None:
+            after_run([o.prompt_token_ids for o in outputs])
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompts = [o.prompt_token_ids for o in outputs]
     figures = summarize(statistics.median(times), len(requests), sum(map(len, prompts)), output_tokens)
@@ -105,15 +110,29 @@ def main(args: argparse.Namespace) -> dict:
     prompt_len, output_len = min(16, requests[0].prompt_len), min(4, requests[0].expected_output_len)
     warmup = RandomDataset(vocab, args.seed + 1, special).sample(
         DatasetSpec(2, (prompt_len, prompt_len), (output_len, output_len)))
-    # Against peers, Pagoda runs as often as each of them (its median too).
-    figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
-                                  structured=args.structured_output is not None,
-                                  runs=args.compare_runs if peers else 1)
-    results = dict(pagoda=figures)
-    for name, run in peers.items():  # the same token ids (text prompts: as the engine encoded them)
-        peer = run(prompts, [r.expected_output_len for r in requests])
-        results[name] = dict(summarize(peer["elapsed_time"], len(requests), peer["total_prompt_tokens"],
-                                       peer["total_output_tokens"]), **peer)
+    # Against peers, Pagoda runs as often as each of them (its median too),
+    # alternating: each peer runs after each of Pagoda's runs, on the same
+    # token ids (text prompts: as the engine encoded them), started after the first.
+    sessions = {}
+
+    def peers_turn(prompts: list[list[int]]) -> None:
+        for name, start in peers.items():
+            if name not in sessions:
+                sessions[name] = start(prompts, [r.expected_output_len for r in requests])
+            sessions[name].run()
+
+    try:
+        figures, prompts = run_pagoda(llm, requests, warmup, temperature, use_tqdm=not args.disable_tqdm,
+                                      structured=args.structured_output is not None,
+                                      runs=args.compare_runs if peers else 1, after_run=peers_turn if peers else None)
+        results = dict(pagoda=figures)
+        for name, session in sessions.items():
+            peer = session.figures()
+            results[name] = dict(summarize(peer["elapsed_time"], len(requests), peer["total_prompt_tokens"],
+                                           peer["total_output_tokens"]), **peer)
+    finally:
+        for session in sessions.values():
+            session.stop()
     # The baseline gets the same tokens (text prompts: as the engine encoded them).
     requests = [SampleRequest(ids, r.expected_output_len) for ids, r in zip(prompts, requests)]
     device = llm.llm_engine.model_config.device
