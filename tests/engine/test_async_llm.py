@@ -303,6 +303,27 @@ def test_reset_prefix_cache_between_streams_and_refused_during_one(llm):
     assert refused is False and after is True
 
 
+def test_utility_calls_of_two_front_ends_of_one_core_each_get_their_answer(folder):
+    """Two API server processes' clients on one engine-core process: calls
+    from both, many at once, each answered on its caller's socket."""
+    from pagoda.engine.arg_utils import EngineArgs
+
+    first = make(folder, "process")
+    second = AsyncLLM.from_engine_args(EngineArgs(model=folder, disable_log_stats=True, **ENGINE_ARGS),
+                                       core_address=first.client.address, core_pid=first.core_pid, client_index=1)
+
+    async def main():
+        calls = [llm.reset_prefix_cache() for _ in range(10) for llm in (first, second)]
+        return await asyncio.wait_for(asyncio.gather(*calls), 30)
+
+    try:
+        assert asyncio.run(main()) == [True] * 20
+        assert asyncio.run(collect(second, PROMPTS[2], "after"))[-1].finished
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["sync", "process"])
 def test_shutdown_stops_the_core_and_fails_later_calls(folder, mode):
     llm = make(folder, mode)
