@@ -53,13 +53,20 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="pagoda-parent-watch", daemon=True).start()
 
 
+def reported_error(kind: str, text: str, kinds: tuple[type[Exception], ...]) -> Exception | None:
+    """An error another process reported as its type's name and message,
+    rebuilt as the first of `kinds` that type is (a builtin subclass comes
+    back as its base: not every subclass is made from a message alone), or
+    None when it is none of them."""
+    error = getattr(builtins, kind, None)
+    for base in kinds:
+        if isinstance(error, type) and issubclass(error, base):
+            return base(text)
+    return None
+
+
 def raise_startup_error(kind: str, text: str, otherwise: type[Exception], what: str) -> None:
     """Raises the error a child reported while starting (its type's name
     and message): bad flags or model files as ValueError or OSError, as in
     process; anything else as `otherwise` ("{what} failed to start: ...")."""
-    error = getattr(builtins, kind, None)
-    if isinstance(error, type) and issubclass(error, ValueError):
-        raise ValueError(text)
-    if isinstance(error, type) and issubclass(error, OSError):
-        raise OSError(text)
-    raise otherwise(f"{what} failed to start: {kind}: {text}")
+    raise reported_error(kind, text, (ValueError, OSError)) or otherwise(f"{what} failed to start: {kind}: {text}")

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from pagoda.benchmarks.datasets import DatasetSpec, RandomDataset, special_token_ids, verify_fits
-from pagoda.benchmarks.peers import add_compare_args, prepare_peers, print_peer, run_peer
+from pagoda.benchmarks.peers import add_compare_args, fresh_prefills, prepare_peers, print_peer, run_peer
 from pagoda.entrypoints.cli_args import (add_engine_args, add_multiprocess_arg, engine_args_from_cli, non_negative_int,
                                          positive_int)
 
@@ -64,10 +64,8 @@ def main(args: argparse.Namespace) -> dict:
     params = SamplingParams(n=args.n, temperature=temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
 
     def run_to_completion() -> float:
-        # Against peers, each run computes its prompts afresh, as theirs do
-        # (else every run after the first finds them in the prefix cache).
-        if args.compare and not llm.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset between runs: requests still hold KV blocks")
+        if args.compare:  # else every run after the first finds its prompts in the prefix cache
+            fresh_prefills(llm)
         started = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - started

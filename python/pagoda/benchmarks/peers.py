@@ -77,6 +77,13 @@ class PeerSession(Protocol):
     def stop(self) -> None: ...
 
 
+def fresh_prefills(llm) -> None:
+    """Empties Pagoda's prefix cache before a timed run against peers, so it
+    computes its prompts afresh each run, as theirs do."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset between runs: requests still hold KV blocks")
+
+
 def run_peer(start: PeerStart, prompts: list[list[int]], output_lens: list[int], runs: int) -> dict:
     """A peer's figures over `runs` runs in a row."""
     session = start(prompts, output_lens)

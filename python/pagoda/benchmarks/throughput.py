@@ -19,7 +19,7 @@ from typing import Callable
 
 from pagoda.benchmarks.datasets import (DatasetSpec, RandomDataset, SampleRequest, add_dataset_args,
                                         get_dataset_spec, sample_requests, special_token_ids, verify_fits)
-from pagoda.benchmarks.peers import PEERS, add_compare_args, prepare_peers, print_peer
+from pagoda.benchmarks.peers import PEERS, add_compare_args, fresh_prefills, prepare_peers, print_peer
 from pagoda.entrypoints.cli_args import add_engine_args, add_multiprocess_arg, engine_args_from_cli, positive_int
 
 # An array of records without end: a request stays inside it (strings, digits,
@@ -79,8 +79,7 @@ def run_pagoda(llm, requests, warmup, temperature: float, use_tqdm: bool = True,
                   for r in warmup], use_tqdm=False)
     times = []
     for _ in range(runs):
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset between runs: requests still hold KV blocks")
+        fresh_prefills(llm)
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
         times.append(time.perf_counter() - started)

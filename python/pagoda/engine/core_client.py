@@ -8,7 +8,6 @@ the engine's step() (with its core here: llm_engine.SyncInprocClient)."""
 
 from __future__ import annotations
 
-import builtins
 import concurrent.futures
 import contextlib
 import itertools
@@ -28,7 +27,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.core_messages import (DECODERS, ENCODER, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                          EngineCoreRequest, RequestType, UtilityCall, UtilityResult)
 from pagoda.logger import init_logger
-from pagoda.process_watch import raise_startup_error, spawn
+from pagoda.process_watch import raise_startup_error, reported_error, spawn
 
 logger = init_logger(__name__)
 
@@ -43,16 +42,13 @@ class EngineCoreDiedError(RuntimeError):
 
 def utility_outcome(future: concurrent.futures.Future, method: str, result: UtilityResult) -> None:
     """Settles a utility call's future with what the core answered: its
-    result, or what it raised, as the same error where that is a ValueError
-    or TypeError (the caller's arguments), else a RuntimeError naming it."""
+    result, or what it raised, as a ValueError or TypeError where it is one
+    (the caller's arguments), else a RuntimeError naming it."""
     if result.error_type is None:
         future.set_result(result.result)
         return
-    error = getattr(builtins, result.error_type, None)
-    if isinstance(error, type) and issubclass(error, (ValueError, TypeError)):
-        future.set_exception(error(result.error))
-    else:
-        future.set_exception(RuntimeError(f"the engine core's {method} failed: {result.error_type}: {result.error}"))
+    future.set_exception(reported_error(result.error_type, result.error, (ValueError, TypeError)) or RuntimeError(
+        f"the engine core's {method} failed: {result.error_type}: {result.error}"))
 
 
 class InprocClient:
