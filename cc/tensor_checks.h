@@ -248,12 +248,13 @@ inline GgufBlock gguf_block(int64_t weight_type) {
     case 2: return {"Q4_0", kGgufBlock, 18};
     case 3: return {"Q4_1", kGgufBlock, 20};
     case 8: return {"Q8_0", kGgufBlock, 34};
+    case 1008: return {"Q8_0 grouped", kGgufBlock, 34};
     case 12: return {"Q4_K", 256, 144};
     case 14: return {"Q6_K", 256, 210};
     default:
       TORCH_CHECK_VALUE(false, "weight_type ", weight_type,
                         " is not a GGUF block format with a kernel here (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
-                        "Q6_K = 14)");
+                        "Q6_K = 14, Pagoda's Q8_0 grouped = 1008)");
   }
 }
 

@@ -22,7 +22,12 @@
 //   rather than of the weight (which straddles 0), about twice the error on
 //   SmolLM2. The products run in gguf_panel.inc: on AVX512_VNNI (checked at
 //   run time) one vpdpbusd per 4 quants of 16 weight rows, else AVX2's
-//   maddubs on 8 rows.
+//   maddubs on 8 rows. kQ8_0Grouped (Q8_0 whose scale is shared by a group
+//   of blocks, see kernels.h) has its input quantized per group too, and a
+//   group's 8 x group dot products summed in one integer accumulator: the
+//   float work per block of 32 (a conversion, a multiply, an FMA) falls to a
+//   group's: at groups of 6 blocks the products run 5-15% faster than
+//   Q8_0's (docs/BENCHMARKS.md).
 //
 // The K-quants (Q4_K, Q6_K) pack 256 values per super-block, with a scale
 // (Q4_K: and a minimum) per sub-block of 32 (Q6_K: of 16) values. On the
@@ -56,6 +61,7 @@ constexpr int64_t kInputChunk = 64;  // input rows that stay in L2 across a thre
 constexpr int64_t kPanelInputBytes = 256 << 10;  // the int8 path's: quantized input rows, in bytes
 constexpr int64_t kPrepareMinRows = 8;  // the int8 path prepares a tile's weights once per chunk from this many rows
 constexpr int64_t kParallelMinMacs = 1 << 16;
+constexpr int64_t kL1Bytes = 32 << 10;  // a core's L1 data cache (Zen 4, Intel since Ice Lake: 32-48 KB)
 
 template <int N>
 struct Int {
@@ -400,30 +406,33 @@ struct QBlock {
   int8_t q[kBlock];
 };
 
-inline void quantize_block(const float* x, QBlock* out) {
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
+// n consecutive blocks of an input row quantized with one scale, that of
+// their largest magnitude (1 block for the file's formats, a group for
+// kQ8_0Grouped): d = max|x| / 127, q = round(x / d); each block keeps d and
+// its own sums.
+inline void quantize_blocks(const float* x, int64_t n, QBlock* out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
-  }
+  __m256 amax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n * kBlock / 8; ++i) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), abs_mask));
   const float max_abs = hmax8(amax);
-  out->d = max_abs / 127.0f;
   const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
-  __m256i q[4];
-  for (int i = 0; i < 4; ++i) {
-    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (int64_t b = 0; b < n; ++b) {
+    QBlock& block = out[b];
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // packs work within 128-bit halves: the bytes come out as dwords
+    // (q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] q1[4:8] q2[4:8] q3[4:8]).
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(block.q), ordered);
+    block.d = max_abs / 127.0f;
+    block.low = hsum8(_mm256_add_epi32(q[0], q[1]));
+    block.sum = block.low + hsum8(_mm256_add_epi32(q[2], q[3]));
+    block.s = block.d * static_cast<float>(block.sum);
   }
-  // packs work within 128-bit halves: the bytes come out as dwords
-  // (q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] q1[4:8] q2[4:8] q3[4:8]).
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out->q), ordered);
-  const __m256i low = _mm256_add_epi32(q[0], q[1]);
-  out->low = hsum8(low);
-  out->sum = out->low + hsum8(_mm256_add_epi32(q[2], q[3]));
-  out->s = out->d * static_cast<float>(out->sum);
 }
 
 // The panel layout of the int8 path, byte for byte the size of the file's:
@@ -557,37 +566,41 @@ void multiply(const Tile& tile, float* out, int64_t out_stride, const float* bia
   }
 }
 
-// The int8 path, W in the panel layout (nb blocks a row).
+// The int8 path, W in the panel layout (nb blocks a row); group: the blocks
+// of 32 that share a scale (Q8_0 only: see multiply_panels).
 template <GgufType F>
 void gguf_linear_int8(float* out, int64_t out_stride, const float* input, int64_t input_stride,
-                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb) {
+                      const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K, int64_t nb,
+                      int64_t group) {
   const int64_t nbx = K / kBlock;
   QBlock* x = new QBlock[M * nbx];
   vec::parallel_for_rows(M, K, [&](int64_t m) {
-    for (int64_t b = 0; b < nbx; ++b) quantize_block(input + m * input_stride + b * kBlock, x + m * nbx + b);
+    for (int64_t b = 0; b < nbx; b += group) {
+      quantize_blocks(input + m * input_stride + b * kBlock, group, x + m * nbx + b);
+    }
   });
 #ifdef __AVX512F__
   static const bool vnni_here = has_vnni();
   if (vnni_here) {
-    vnni::multiply_panels<F>(out, out_stride, x, weight, nb, bias, M, N);
+    vnni::multiply_panels<F>(out, out_stride, x, weight, nb, group, bias, M, N);
     delete[] x;
     return;
   }
 #endif
-  plain::multiply_panels<F>(out, out_stride, x, weight, nb, bias, M, N);
+  plain::multiply_panels<F>(out, out_stride, x, weight, nb, group, bias, M, N);
   delete[] x;
 }
 
 template <GgufType F>
 void gguf_linear_impl(float* out, int64_t out_stride, const float* input, int64_t input_stride,
                       const uint8_t* weight, const float* bias, int64_t M, int64_t N, int64_t K,
-                      bool quantize_input) {
+                      bool quantize_input, int64_t group = 1) {
   const int64_t nb = K / BlockTraits<F>::kValues;
   const int64_t row_bytes = nb * BlockTraits<F>::kBytes;
   if (!quantize_input) {
     return multiply(F32Tile<F>{weight, row_bytes, nb, input, input_stride}, out, out_stride, bias, M, N, K);
   }
-  gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb);
+  gguf_linear_int8<F>(out, out_stride, input, input_stride, weight, bias, M, N, K, nb, group);
 }
 
 template <GgufType F>
@@ -651,6 +664,9 @@ void gguf_linear(float* out, int64_t out_stride, const float* input, int64_t inp
     case GgufType::kQ8_0:
       return gguf_linear_impl<GgufType::kQ8_0>(out, out_stride, input, input_stride, w, bias, M, N, K,
                                                quantize_input);
+    case GgufType::kQ8_0Grouped:
+      return gguf_linear_impl<GgufType::kQ8_0>(out, out_stride, input, input_stride, w, bias, M, N, K,
+                                               quantize_input, q8_0_group_blocks(K / kBlock));
     case GgufType::kQ4_K:
       return gguf_linear_impl<GgufType::kQ4_K>(out, out_stride, input, input_stride, w, bias, M, N, K,
                                                quantize_input);
@@ -667,7 +683,9 @@ void gguf_embedding(float* out, int64_t out_stride, const int64_t* ids, int64_t 
   switch (type) {
     case GgufType::kQ4_0: return gguf_embedding_impl<GgufType::kQ4_0>(out, out_stride, ids, num_ids, w, N, K, panels);
     case GgufType::kQ4_1: return gguf_embedding_impl<GgufType::kQ4_1>(out, out_stride, ids, num_ids, w, N, K, panels);
-    case GgufType::kQ8_0: return gguf_embedding_impl<GgufType::kQ8_0>(out, out_stride, ids, num_ids, w, N, K, panels);
+    case GgufType::kQ8_0:
+    case GgufType::kQ8_0Grouped:
+      return gguf_embedding_impl<GgufType::kQ8_0>(out, out_stride, ids, num_ids, w, N, K, panels);
     case GgufType::kQ4_K: return gguf_embedding_impl<GgufType::kQ4_K>(out, out_stride, ids, num_ids, w, N, K, panels);
     case GgufType::kQ6_K: return gguf_embedding_impl<GgufType::kQ6_K>(out, out_stride, ids, num_ids, w, N, K, panels);
   }
@@ -678,7 +696,8 @@ void gguf_to_panels(void* weight, GgufType type, int64_t N, int64_t K) {
   switch (type) {
     case GgufType::kQ4_0: return to_panels<GgufType::kQ4_0>(w, N, K);
     case GgufType::kQ4_1: return to_panels<GgufType::kQ4_1>(w, N, K);
-    case GgufType::kQ8_0: return to_panels<GgufType::kQ8_0>(w, N, K);
+    case GgufType::kQ8_0:
+    case GgufType::kQ8_0Grouped: return to_panels<GgufType::kQ8_0>(w, N, K);
     case GgufType::kQ4_K: return to_panels<GgufType::kQ4_K>(w, N, K);
     case GgufType::kQ6_K: return to_panels<GgufType::kQ6_K>(w, N, K);
   }

@@ -107,8 +107,21 @@
 namespace pagoda {
 namespace cpu {
 
-// GGUF's quantized block formats, numbered as GGML's type ids.
-enum class GgufType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+// GGUF's quantized block formats, numbered as GGML's type ids, and
+// kQ8_0Grouped, Pagoda's own (never in a file): Q8_0 blocks whose fp16 scale
+// is the same for each group of q8_0_group_blocks(K / 32) consecutive blocks
+// of a row, so that the int8 path sums a group's products in one integer
+// accumulator (--quantization int8 requantizes weights to it at load).
+enum class GgufType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ8_0Grouped = 1008 };
+
+// Blocks of 32 in a kQ8_0Grouped group, for rows of nb blocks: the most, up
+// to 8 (256 values, llama.cpp's Q8_K input blocks), that divide the row.
+inline int64_t q8_0_group_blocks(int64_t nb) {
+  for (int64_t g = 8; g > 1; --g) {
+    if (nb % g == 0) return g;
+  }
+  return 1;
+}
 
 namespace avx2 {
 PAGODA_CPU_KERNEL_DECLS

@@ -27,8 +27,8 @@ logger = init_logger(__name__)
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float": "float32",
                 "half": "float16"}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "gguf", "gguf_int8", "fp8", "none")
-# "auto": the model's dtype, except bf16 under quantization="gguf_int8"
+QUANTIZATIONS = ("auto", "gguf", "gguf_int8", "int8", "fp8", "none")
+# "auto": the model's dtype, except bf16 under quantization="gguf_int8" or "int8"
 # (llama.cpp's way there too: a 16-bit cache; see kv_cache_torch_dtype);
 # "bfloat16": bf16 also under an fp32 model (the CPU's kernels round K/V on
 # the write), half the bytes a decode step reads; "float32": an fp32 model's
@@ -202,11 +202,16 @@ class ModelConfig:
     # "gguf_int8": packed as gguf, and their products (all five types) take their
     # inputs rounded to int8 per block of 32 (llama.cpp's way; AVX512_VNNI
     # where the CPU has it): faster at many rows, not the same tokens as none
-    # (docs/BENCHMARKS.md states the tolerance). "fp8": the linear layers' weights
+    # (docs/BENCHMARKS.md states the tolerance). "int8": every linear layer's
+    # weight (and the LM head's) requantized at load to int8 with one scale per
+    # row and group of up to 256 values, its inputs rounded likewise, integer
+    # products summed a group at a time (model_executor/layers/int8.py; CPU,
+    # float32, any checkpoint): gguf_int8's tolerance, faster at many rows,
+    # twice Q4's bytes. "fp8": the linear layers' weights
     # quantized to float8 e4m3 at load (per output channel), activations per
     # token, FP8 tensor-core GEMMs (model_executor/layers/fp8.py); bf16/fp16
     # models.
-    # Resolved to "gguf", "gguf_int8", "fp8" or None.
+    # Resolved to "gguf", "gguf_int8", "int8", "fp8" or None.
     quantization: str | None = "auto"
 
     def __post_init__(self):
@@ -271,7 +276,7 @@ class ModelConfig:
             dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
             if isinstance(dtype, str):
                 dtype = getattr(torch, _DTYPE_NAMES.get(dtype, "float32"))
-            if dtype is None or self.gguf_file:
+            if dtype is None or self.gguf_file or self.quantization == "int8":  # int8's kernels take fp32
                 dtype = torch.float32
             if self.device.type == "cpu" and dtype == torch.float16:
                 dtype = torch.bfloat16
@@ -302,8 +307,12 @@ class ModelConfig:
         if self.quantization == "fp8":
             self._check_fp8()
             return "fp8"
-        if self.quantization == "gguf_int8":
-            return "gguf_int8"
+        if self.quantization == "int8" and (self.device.type != "cpu" or self.torch_dtype != torch.float32):
+            raise ValueError(f"quantization='int8' (the CPU's integer kernels, float32 activations) needs the CPU in "
+                             f"float32, got {self.device.type} in {self.torch_dtype}: pass device='cpu' and "
+                             "dtype='auto' or 'float32'")
+        if self.quantization in ("gguf_int8", "int8"):
+            return self.quantization
         return "gguf" if self.quantization == "gguf" or self.quantization == "auto" and packable else None
 
     def _check_fp8(self) -> None:
@@ -393,7 +402,7 @@ class CacheConfig:
             # cache is 16-bit too: the bf16 cache stays within gguf_int8's
             # tolerance against fp32 (tests/engine/test_smollm2.py) and makes
             # a batch-16 decode step's attention 1.3x faster (docs/BENCHMARKS.md).
-            return torch.bfloat16 if model_config.quantization == "gguf_int8" else dtype
+            return torch.bfloat16 if model_config.quantization in ("gguf_int8", "int8") else dtype
         what = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         if self.kv_cache_dtype == "float32":
             if dtype == torch.float32:

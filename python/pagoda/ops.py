@@ -162,9 +162,22 @@ def linear(
 # block. Q4_0, Q4_1, Q8_0: GGUF_BLOCK weights (an fp16 scale, Q4_1 also an fp16
 # minimum, then the quants); the K-quants Q4_K, Q6_K: super-blocks of 256.
 GGUF_BLOCK = 32
-GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+# Pagoda's own type (never in a file; cc/cpu/kernels.h): Q8_0 blocks whose
+# scale is shared by each group of q8_0_group_blocks(K) blocks of a row, so
+# that the int8 path sums a group in one integer accumulator (layers/int8.py
+# requantizes weights to it).
+Q8_0_GROUPED = 1008
+GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210), Q8_0_GROUPED: (32, 34)}
 # The formats gguf_linear's quantize_input takes: all of them.
 GGUF_INT8_TYPES = tuple(GGUF_BLOCKS)
+
+
+def q8_0_group_blocks(in_features: int) -> int:
+    """Q8_0_GROUPED's blocks of 32 per group in rows of in_features: the most,
+    up to 8 (256 values, llama.cpp's Q8_K input blocks), that divide the row
+    (the kernel's rule, cc/cpu/kernels.h)."""
+    nb = in_features // GGUF_BLOCK
+    return next(g for g in range(8, 0, -1) if nb % g == 0)
 
 
 def gguf_linear(
@@ -181,8 +194,8 @@ def gguf_linear(
     every quantized row).
     The CPU kernel dequantizes W's blocks in registers and multiplies in fp32
     (gguf_linear_reference up to the order of fp32 sums); quantize_input=True
-    instead rounds x to int8 per 32-element block (scale max|x| / 127) and
-    sums integer block products (llama.cpp's way; gguf_linear_reference with
+    instead rounds x to int8 per 32-element block (Q8_0_GROUPED: per group;
+    scale max|x| / 127) and sums integer products (llama.cpp's way; gguf_linear_reference with
     quantize_input=True up to the order of sums); the weight must then be in
     the panel layout (gguf_to_panels)."""
     if out is None:
@@ -485,7 +498,7 @@ def gguf_dequantize_reference(weight: torch.Tensor, weight_type: int) -> torch.T
         q = ((low | high << 4).float() - 32).reshape(rows, nb, 16, 16)
         sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
         values = (fp16(208) * sc).unsqueeze(-1) * q
-    elif weight_type == 8:
+    elif weight_type in (8, Q8_0_GROUPED):
         values = fp16(0) * blocks[..., 2:].contiguous().view(torch.int8).float()
     else:
         qs = blocks[..., 4:] if weight_type == 3 else blocks[..., 2:]
@@ -498,18 +511,20 @@ def gguf_dequantize_reference(weight: torch.Tensor, weight_type: int) -> torch.T
 # random ones gguf_random_blocks writes there: the K-quants' super-block scales
 # multiply 6- or 8-bit sub-block scales.
 _GGUF_FP16_FIELDS = {2: ((0, 0.02),), 3: ((0, 0.02), (2, 0.02)), 8: ((0, 0.02),), 12: ((0, 1e-3), (2, 1e-3)),
-                     14: ((208, 1e-3),)}
+                     14: ((208, 1e-3),), Q8_0_GROUPED: ((0, 0.02),)}
 
 
 def gguf_random_blocks(n: int, k: int, weight_type: int) -> torch.Tensor:
     """A valid random GGUF-packed weight [n, k] (for tests and benchmarks):
     every quant byte random (so every quant pattern: Q8_0's -128, which GGUF's
     quantizer never writes; every K-quant sub-block scale and minimum), fp16
-    scales and minimums normal with both signs."""
+    scales and minimums normal with both signs (Q8_0_GROUPED's the same
+    across each group)."""
     values, nbytes = GGUF_BLOCKS[weight_type]
     blocks = torch.randint(0, 256, (n, k // values, nbytes), dtype=torch.uint8)
+    group = q8_0_group_blocks(k) if weight_type == Q8_0_GROUPED else 1
     for offset, spread in _GGUF_FP16_FIELDS[weight_type]:
-        halves = (torch.randn(n, k // values, 1) * spread).to(torch.float16)
+        halves = (torch.randn(n, k // values // group, 1) * spread).to(torch.float16).repeat_interleave(group, dim=1)
         blocks[..., offset : offset + 2] = halves.view(torch.uint8)
     return blocks.reshape(n, -1)
 
@@ -520,7 +535,7 @@ def gguf_fp16_offsets(weight_type: int) -> tuple[int, ...]:
 
 
 # Where a block's fp16 fields lie, for the panel layout: (first byte, bytes).
-_PANEL_FP16_FIELDS = {2: (0, 2), 3: (0, 4), 8: (0, 2), 12: (0, 4), 14: (208, 2)}
+_PANEL_FP16_FIELDS = {2: (0, 2), 3: (0, 4), 8: (0, 2), 12: (0, 4), 14: (208, 2), Q8_0_GROUPED: (0, 2)}
 
 
 def _panel_sources(rows: int, row_bytes: int, weight_type: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -539,7 +554,7 @@ def _panel_sources(rows: int, row_bytes: int, weight_type: int) -> tuple[torch.T
     fp16 = source[..., at : at + size]
     fp16s = fp16.reshape(groups, 16, nb, size // 2, 2).permute(0, 3, 2, 1, 4).reshape(groups, nb * size * 16)
     offset = torch.zeros(groups, 16 * row_bytes, dtype=torch.bool)
-    if weight_type == 8:
+    if weight_type in (8, Q8_0_GROUPED):
         offset[:, : quants.shape[1]] = True
     return torch.cat([quants, fp16s], dim=1).flatten(), offset.flatten()
 
@@ -565,11 +580,12 @@ def gguf_from_panels_reference(panels: torch.Tensor, weight_type: int) -> torch.
     return weight.reshape(rows, row_bytes)
 
 
-def gguf_quantize_input_reference(x: torch.Tensor) -> torch.Tensor:
-    """x (fp32, last dim a multiple of 32) as gguf_linear's kernel sees it:
-    each 32-block rounded to d * round(x * (127 / max|x|)), d = max|x| / 127,
-    in fp32 as the kernel computes it (ties to even)."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, GGUF_BLOCK)
+def gguf_quantize_input_reference(x: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """x (fp32, last dim a multiple of 32 * group) as gguf_linear's kernel
+    sees it: each block of 32 * group values (Q8_0_GROUPED's group, else 1)
+    rounded to d * round(x * (127 / max|x|)), d = max|x| / 127, in fp32 as
+    the kernel computes it (ties to even)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, GGUF_BLOCK * group)
     amax = blocks.abs().amax(-1, keepdim=True)
     # A tensor by a tensor: torch's scalar-by-tensor division (127 / amax)
     # multiplies by a reciprocal, an ulp off the kernel's 127.0f / max.
@@ -588,7 +604,7 @@ def gguf_linear_reference(
     rounds x as the kernel does (gguf_quantize_input_reference), so that only
     the order of fp32 sums differs from the kernel."""
     if quantize_input:
-        x = gguf_quantize_input_reference(x)
+        x = gguf_quantize_input_reference(x, q8_0_group_blocks(x.shape[-1]) if weight_type == Q8_0_GROUPED else 1)
     return linear_reference(x.double(), gguf_dequantize_reference(weight, weight_type), bias).float()
 
 

@@ -216,15 +216,15 @@ def test_smollm2_matches_transformers(smollm2, quantization):
 
 @pytest.mark.parametrize(
     "dtype,quantization",
-    [(torch.float32, "gguf"), (torch.float32, "gguf_int8"), (torch.bfloat16, None)],
-    ids=["packed-fp32", "packed-int8-inputs", "dense-bf16"],
+    [(torch.float32, "gguf"), (torch.float32, "gguf_int8"), (torch.float32, "int8"), (torch.bfloat16, None)],
+    ids=["packed-fp32", "packed-int8-inputs", "int8-weights", "dense-bf16"],
 )
 def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype, quantization):
     """On the CPU the decoder layers run as one native op (packed in fp32,
     with or without int8 inputs; dequantized to bf16, for steps whose linears
     take Pagoda's kernel); the per-op path (each layer's modules) computes
     the same logits bit for bit, over prefill, chunked prefill and decode
-    steps of sequences batched together."""
+    steps of sequences batched together (also with int8 weights)."""
     folder, _, config, _ = smollm2
     model = get_model(folder, config, dtype, gguf_file=SMOLLM2_FILE, quantization=quantization)
     assert (model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8) == (dtype == torch.float32)
@@ -233,7 +233,7 @@ def test_smollm2_fused_layers_equal_per_op_path(smollm2, dtype, quantization):
     for fuse in (True, False):
         model.model.fuse_layers = fuse
         results.append(run_schedule(PagedRunner(model, dtype, block_size=16), sequences, [1, 17, 9], [1, 1, 5]))
-    assert model.model.fused_layer_args().quantize_input == (quantization == "gguf_int8")
+    assert model.model.fused_layer_args().quantize_input == (quantization in ("gguf_int8", "int8"))
     for fused, per_op in zip(*results):
         assert torch.equal(fused, per_op)
 

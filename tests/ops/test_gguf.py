@@ -20,6 +20,12 @@ the block sums (1e-5 of sum |x| |w|). The bound is the worst case; typical
 errors are about sqrt(32) times smaller, since the rounding errors have
 random signs. Against the reference fed the same int8-rounded x, only fp32
 summation order differs: within 1e-5 of sum |x| |w|.
+
+Pagoda's Q8_0 grouped (ops.Q8_0_GROUPED: Q8_0 whose scale is shared by a
+group of q8_0_group_blocks(K) blocks, --quantization int8) goes through all
+of Q8_0's tests; its int8 path rounds x per group (the bound above with
+groups for blocks), and the reference fed the same rounded x is held to
+fp32 summation order as before, so a kernel rounding per 32 fails it.
 """
 
 import pytest
@@ -27,7 +33,7 @@ import torch
 
 from pagoda import ops
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q8_0 grouped": ops.Q8_0_GROUPED}
 K_QUANTS = {"Q4_K": 12, "Q6_K": 14}
 ALL_TYPES = {**TYPES, **K_QUANTS}
 
@@ -48,8 +54,9 @@ def int8_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) ->
     x = x.reshape(-1, x.shape[-1]).double()
     w = ops.gguf_dequantize_reference(weight, weight_type).double()
     rows, k = w.shape
-    w = w.reshape(rows, -1, ops.GGUF_BLOCK)
-    step = x.reshape(x.shape[0], -1, ops.GGUF_BLOCK).abs().amax(-1) / 127  # [M, nb]
+    block = ops.GGUF_BLOCK * (ops.q8_0_group_blocks(k) if weight_type == ops.Q8_0_GROUPED else 1)
+    w = w.reshape(rows, -1, block)
+    step = x.reshape(x.shape[0], -1, block).abs().amax(-1) / 127  # [M, blocks]
     quantization = torch.einsum("mb,nb->mn", step / 2, w.abs().sum(-1))
     rounding = 1e-5 * x.abs() @ w.reshape(rows, k).abs().T
     return quantization + rounding + 1e-6
@@ -279,11 +286,11 @@ def test_gguf_embedding_panels(name):
 @pytest.mark.parametrize("name", {**TYPES, **K_QUANTS})
 def test_dequantize_reference_matches_gguf_package(name):
     """The reference's reading of the block layout is the gguf package's, to
-    the bit."""
+    the bit (Q8_0 grouped's bytes are Q8_0's)."""
     gguf = pytest.importorskip("gguf")
     weight_type = {**TYPES, **K_QUANTS}[name]
     weight = ops.gguf_random_blocks(4, 512, weight_type)
-    want = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name])
+    want = gguf.quants.dequantize(weight.numpy(), gguf.GGMLQuantizationType[name.split()[0]])
     torch.testing.assert_close(ops.gguf_dequantize_reference(weight, weight_type), torch.from_numpy(want), rtol=0, atol=0)
 
 

@@ -26,7 +26,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"  # "auto" (CUDA where usable, else CPU), "cpu", "cuda"
     load_format: str = "auto"
-    quantization: str = "auto"  # "fp8" (FP8 weights and GEMMs), "gguf" (packed GGUF on the CPU), "gguf_int8" (packed, int8 inputs), "none"/"auto"
+    quantization: str = "auto"  # "fp8" (FP8 weights and GEMMs), "gguf" (packed GGUF on the CPU), "gguf_int8" (packed, int8 inputs), "int8" (int8 weights and inputs, CPU), "none"/"auto"
     kv_cache_space: float = 4
     enforce_eager: bool = False  # GPU: no CUDA graphs
     max_cudagraph_capture_size: int = 512  # GPU: the largest step (tokens) CUDA graphs serve

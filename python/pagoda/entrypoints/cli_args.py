@@ -83,7 +83,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
               "GEMMs (GPUs of CUDA capability 8.9+; bfloat16/float16); GGUF: gguf keeps Q4_0/Q4_1/Q8_0/Q4_K/Q6_K "
               "weights packed, dequantized in registers by the CPU kernels (CPU, float32, one rank); gguf_int8 as gguf with "
               "their products on inputs rounded to int8 per 32 (llama.cpp's way: faster, not the same "
-              "tokens); auto (the "
+              "tokens); int8: every linear weight requantized to int8 at load (a scale per row and 256 "
+              "values), inputs likewise (CPU, float32, any checkpoint; fastest at many rows); auto (the "
               "default) is gguf where it applies; none keeps the checkpoint's weights (GGUF dequantized to --dtype)")
     flag("--device", help="auto, cpu or cuda")
     flag("--max-model-len", type=positive_int)
@@ -94,7 +95,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_shapes: bool = False)
     flag("--gpu-memory-utilization", type=positive_float,
          help="GPU: share of the device memory for weights and KV cache")
     flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-         help="auto: the model's dtype (bfloat16 under --quantization gguf_int8); bfloat16: half an fp32 "
+         help="auto: the model's dtype (bfloat16 under --quantization gguf_int8 or int8); bfloat16: half an fp32 "
               "model's bytes per token (CPU; on CUDA bfloat16 models only); float32: an fp32 model's own; "
               "fp8 (fp8_e4m3): float8 e4m3 with unit scale, half the bytes per token of a 16-bit cache "
               "(GPUs of CUDA capability 8.9+, bfloat16/float16 models)")

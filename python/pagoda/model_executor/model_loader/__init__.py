@@ -12,6 +12,7 @@ from pagoda.distributed.parallel_state import get_tensor_model_parallel_world_si
 from pagoda.heap import return_freed_heap
 from pagoda.logger import init_logger
 from pagoda.model_executor.layers.fp8 import ALIGNMENT, quantize_linear_weights
+from pagoda.model_executor.layers.int8 import quantize_int8_weights
 from pagoda.model_executor.model_loader.dummy_loader import initialize_dummy_weights
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.model_executor.model_loader.safetensors_loader import safetensors_files, safetensors_weights_iterator
@@ -67,6 +68,9 @@ def get_model(
     parallelism they are dequantized, since the packed rows are not split.
     "gguf_int8" packs them as "gguf" and has them multiply
     inputs rounded to int8 (see quantize_packed_inputs).
+    "int8" requantizes every linear weight and the LM head to int8 once
+    loaded (layers/int8.py; GGUF blocks are read packed, then decoded one
+    matrix at a time).
     "fp8" quantizes the linear layers' weights to float8 once they are
     loaded (each rank its own shard); None dequantizes everything to dtype."""
     model = os.fspath(model)
@@ -74,8 +78,9 @@ def get_model(
     if load_format == "safetensors":
         weights = safetensors_weights_iterator(safetensors_files(model), dtype)
     elif load_format == "gguf":
-        packed = quantization in ("gguf", "gguf_int8") and get_tensor_model_parallel_world_size() == 1
-        if quantization in ("gguf", "gguf_int8") and not packed:
+        packing = quantization in ("gguf", "gguf_int8", "int8")
+        packed = packing and get_tensor_model_parallel_world_size() == 1
+        if packing and not packed:
             logger.info("GGUF weights dequantized to %s: packed weights run on one rank", dtype)
         weights = gguf_weights_iterator(_gguf_path(model, gguf_file), hf_config, dtype, packed=packed)
     else:
@@ -88,6 +93,10 @@ def get_model(
         instance.load_weights(weights)
     if quantization == "gguf_int8":
         logger.info("GGUF weights: %d packed matrices multiply int8 inputs", quantize_packed_inputs(instance))
+    if quantization == "int8":
+        quantized, kept = quantize_int8_weights(instance)
+        logger.info("int8 weights: %d matrices requantized%s", quantized,
+                    f", {kept} kept in fp32 (in_features not multiples of 32)" if kept else "")
     if quantization == "fp8":
         quantized, kept = quantize_linear_weights(instance)
         logger.info("FP8 weights: %d linear layers quantized%s", quantized,
