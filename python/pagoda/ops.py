@@ -172,6 +172,12 @@ GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 
 GGUF_INT8_TYPES = tuple(GGUF_BLOCKS)
 
 
+def gguf_in_features(weight: torch.Tensor, weight_type: int) -> int:
+    """The logical in_features of a GGUF-packed weight uint8 [N, row bytes]."""
+    values, nbytes = GGUF_BLOCKS[weight_type]
+    return weight.shape[1] // nbytes * values
+
+
 def q8_0_group_blocks(in_features: int) -> int:
     """Q8_0_GROUPED's blocks of 32 per group in rows of in_features: the most,
     up to 8 (256 values, llama.cpp's Q8_K input blocks), that divide the row
@@ -222,8 +228,7 @@ def gguf_to_panels(weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     rows' quants (the layout: cc/cpu/gguf.cc; gguf_panels_reference), the
     rows past the last group as they were. Same bytes, so no second copy.
     Returns weight."""
-    in_features = weight.shape[1] // GGUF_BLOCKS[weight_type][1] * GGUF_BLOCKS[weight_type][0]
-    torch.ops.pagoda.gguf_to_panels(weight, weight_type, in_features)
+    torch.ops.pagoda.gguf_to_panels(weight, weight_type, gguf_in_features(weight, weight_type))
     return weight
 
 

@@ -66,9 +66,8 @@ def _float_weight(param: torch.Tensor) -> torch.Tensor:
     weight_type = getattr(param, "gguf_type", None)
     if weight_type is None:
         return param.data
-    values, nbytes = ops.GGUF_BLOCKS[weight_type]
     rows = torch.arange(param.shape[0])
-    return ops.gguf_embedding(rows, param.data, weight_type, param.shape[1] // nbytes * values)
+    return ops.gguf_embedding(rows, param.data, weight_type, ops.gguf_in_features(param, weight_type))
 
 
 def quantize_int8_weights(model: nn.Module) -> tuple[int, int]:
