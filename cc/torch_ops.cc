@@ -240,8 +240,8 @@ void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at
   }
 }
 
-void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
-                       const at::Tensor& offsets) {
+// seeds and offsets undefined: the greedy argmax.
+void argmax_rows(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds, const at::Tensor& offsets) {
   check_cpu(logits, "logits");
   TORCH_CHECK_TYPE(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [num_rows, vocab_size], got shape ", logits.sizes());
@@ -251,11 +251,22 @@ void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tens
     check_index_vector(t, name, at::kLong, "int64", rows.count, "num_rows");
   };
   check_per_row(out, "out");
-  check_per_row(seeds, "seeds");
-  check_per_row(offsets, "offsets");
+  const bool race = seeds.defined();
+  if (race) {
+    check_per_row(seeds, "seeds");
+    check_per_row(offsets, "offsets");
+  }
   cpu_kernels().gumbel_argmax(out.data_ptr<int64_t>(), static_cast<const float*>(rows.data), rows.stride,
-                              seeds.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), rows.count, rows.width);
+                              race ? seeds.data_ptr<int64_t>() : nullptr,
+                              race ? offsets.data_ptr<int64_t>() : nullptr, rows.count, rows.width);
 }
+
+void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
+                       const at::Tensor& offsets) {
+  argmax_rows(out, logits, seeds, offsets);
+}
+
+void greedy_argmax_cpu(at::Tensor& out, const at::Tensor& logits) { argmax_rows(out, logits, {}, {}); }
 
 // The whole of sampling runs on the GPU only (cuda/sampling.cu); on the CPU,
 // Sampler filters with torch ops and races with gumbel_argmax. Registered so
@@ -300,6 +311,7 @@ TORCH_LIBRARY(pagoda, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, "
       "int head_size, float scale, float epsilon, bool quantize_input=False) -> ()");
   m.def("gumbel_argmax(Tensor(a!) out, Tensor logits, Tensor seeds, Tensor offsets) -> ()");
+  m.def("greedy_argmax(Tensor(a!) out, Tensor logits) -> ()");
   m.def(
       "sample(Tensor(a!) out_ids, Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets) -> ()");
@@ -319,5 +331,6 @@ TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("gguf_to_panels", &pagoda::gguf_to_panels_cpu);
   m.impl("llama_decoder_layers", &pagoda::llama_decoder_layers_cpu);
   m.impl("gumbel_argmax", &pagoda::gumbel_argmax_cpu);
+  m.impl("greedy_argmax", &pagoda::greedy_argmax_cpu);
   m.impl("sample", &pagoda::sample_cpu);
 }

@@ -98,7 +98,8 @@
   /* out[r] = argmax_i logits[r][i] + gumbel(seeds[r], offsets[r], i) for    \
      rows of vocab fp32 logits (logits_stride apart): the exponential race   \
      with pagoda::sample's noise stream (see cc/cpu/sampling.cc); NaN wins,  \
-     ties go to the lower index, as in torch.argmax. */                      \
+     ties go to the lower index, as in torch.argmax. seeds and offsets null: \
+     no noise, the greedy argmax. */                                         \
   void gumbel_argmax(int64_t* out, const float* logits,                      \
                      int64_t logits_stride, const int64_t* seeds,            \
                      const int64_t* offsets, int64_t num_rows,               \

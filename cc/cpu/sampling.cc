@@ -107,13 +107,53 @@ inline void update(float& value, int64_t& index, float score, int64_t token) {
   index = take ? token : index;
 }
 
+// The race noise of tokens t0 .. t0 + 4 * kGroups of a row keyed (k0, k1)
+// at offset (o0, o1).
+inline void race_noise(uint32_t k0, uint32_t k1, uint32_t o0, uint32_t o1, int64_t t0, float* noise) {
+  uint32_t c0[kGroups], c1[kGroups], c2[kGroups], c3[kGroups];
+  const uint32_t group0 = static_cast<uint32_t>(t0 / 4);
+#pragma omp simd
+  for (int g = 0; g < kGroups; ++g) {
+    c0[g] = group0 + static_cast<uint32_t>(g);
+    c1[g] = 0;
+    c2[g] = o0;
+    c3[g] = o1;
+  }
+  uint32_t key0 = k0, key1 = k1;
+  for (int round = 0; round < 10; ++round) {
+#pragma omp simd
+    for (int g = 0; g < kGroups; ++g) {
+      const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c0[g];
+      const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c2[g];
+      c0[g] = static_cast<uint32_t>(p1 >> 32) ^ c1[g] ^ key0;
+      c1[g] = static_cast<uint32_t>(p1);
+      c2[g] = static_cast<uint32_t>(p0 >> 32) ^ c3[g] ^ key1;
+      c3[g] = static_cast<uint32_t>(p0);
+    }
+    key0 += kPhiloxW0;
+    key1 += kPhiloxW1;
+  }
+  // Token t0 + 4g + w takes word w of counter g: the noise is computed
+  // word by word (unit stride), then put in token order.
+  const uint32_t* words[4] = {c0, c1, c2, c3};
+  float by_word[4][kGroups];
+  for (int w = 0; w < 4; ++w) {
+#pragma omp simd
+    for (int g = 0; g < kGroups; ++g) by_word[w][g] = gumbel(words[w][g]);
+  }
+  for (int g = 0; g < kGroups; ++g) {
+    for (int w = 0; w < 4; ++w) noise[4 * g + w] = by_word[w][g];
+  }
+}
+
 struct Best {
   float value;
   int64_t index;
 };
 
 // The best score among tokens [begin, end) of one row; begin is a multiple
-// of 4 * kGroups.
+// of 4 * kGroups. Without kNoise the scores are the logits themselves (greedy).
+template <bool kNoise>
 Best race_range(const float* logits, uint64_t seed, uint64_t offset, int64_t begin, int64_t end) {
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   const uint32_t o0 = static_cast<uint32_t>(offset), o1 = static_cast<uint32_t>(offset >> 32);
@@ -126,40 +166,8 @@ Best race_range(const float* logits, uint64_t seed, uint64_t offset, int64_t beg
     lane_index[j] = -1;
   }
   for (int64_t t0 = begin; t0 < end; t0 += 4 * kGroups) {
-    uint32_t c0[kGroups], c1[kGroups], c2[kGroups], c3[kGroups];
-    const uint32_t group0 = static_cast<uint32_t>(t0 / 4);
-#pragma omp simd
-    for (int g = 0; g < kGroups; ++g) {
-      c0[g] = group0 + static_cast<uint32_t>(g);
-      c1[g] = 0;
-      c2[g] = o0;
-      c3[g] = o1;
-    }
-    uint32_t key0 = k0, key1 = k1;
-    for (int round = 0; round < 10; ++round) {
-#pragma omp simd
-      for (int g = 0; g < kGroups; ++g) {
-        const uint64_t p0 = static_cast<uint64_t>(kPhiloxM0) * c0[g];
-        const uint64_t p1 = static_cast<uint64_t>(kPhiloxM1) * c2[g];
-        c0[g] = static_cast<uint32_t>(p1 >> 32) ^ c1[g] ^ key0;
-        c1[g] = static_cast<uint32_t>(p1);
-        c2[g] = static_cast<uint32_t>(p0 >> 32) ^ c3[g] ^ key1;
-        c3[g] = static_cast<uint32_t>(p0);
-      }
-      key0 += kPhiloxW0;
-      key1 += kPhiloxW1;
-    }
-    // Token t0 + 4g + w takes word w of counter g: the noise is computed
-    // word by word (unit stride), then put in token order.
-    const uint32_t* words[4] = {c0, c1, c2, c3};
-    float by_word[4][kGroups], noise[4 * kGroups];
-    for (int w = 0; w < 4; ++w) {
-#pragma omp simd
-      for (int g = 0; g < kGroups; ++g) by_word[w][g] = gumbel(words[w][g]);
-    }
-    for (int g = 0; g < kGroups; ++g) {
-      for (int w = 0; w < 4; ++w) noise[4 * g + w] = by_word[w][g];
-    }
+    float noise[4 * kGroups] = {};
+    if constexpr (kNoise) race_noise(k0, k1, o0, o1, t0, noise);
     const float* l = logits + t0;
     if (end - t0 >= 4 * kGroups) {
 #pragma omp simd
@@ -190,8 +198,10 @@ void gumbel_argmax(int64_t* out, const float* logits, int64_t logits_stride, con
   for (int64_t item = 0; item < num_rows * chunks; ++item) {
     const int64_t row = item / chunks, begin = item % chunks * kChunk;
     const int64_t end = begin + kChunk < vocab ? begin + kChunk : vocab;
-    partial[item] = race_range(logits + row * logits_stride, static_cast<uint64_t>(seeds[row]),
-                               static_cast<uint64_t>(offsets[row]), begin, end);
+    const float* l = logits + row * logits_stride;
+    partial[item] = seeds == nullptr ? race_range<false>(l, 0, 0, begin, end)
+                                     : race_range<true>(l, static_cast<uint64_t>(seeds[row]),
+                                                        static_cast<uint64_t>(offsets[row]), begin, end);
   }
   for (int64_t row = 0; row < num_rows; ++row) {
     Best best = partial[row * chunks];

@@ -32,6 +32,7 @@ for _name in (
     "gguf_to_panels",
     "llama_decoder_layers",
     "gumbel_argmax",
+    "greedy_argmax",
     "sample",
 ):
     torch.library.register_fake(f"pagoda::{_name}")(lambda *args, **kwargs: None)
@@ -313,6 +314,17 @@ def gumbel_argmax(
     if out is None:
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     torch.ops.pagoda.gumbel_argmax(out, logits, seeds, offsets)
+    return out
+
+
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits.argmax(dim=-1) of float32 logits [num_rows, vocab_size] (NaN
+    wins, ties go to the lower index) on the CPU, threaded, with vector
+    compares (cc/cpu/sampling.cc): 0.15 against torch's 0.49 ms for 16 rows
+    of 49k tokens on 2 Zen 4 cores."""
+    if out is None:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.pagoda.greedy_argmax(out, logits)
     return out
 
 

@@ -1,5 +1,7 @@
 """pagoda::gumbel_argmax (the CPU race of sampling, cc/cpu/sampling.cc)
-against its pure-torch reference: argmax(logits + ops.sample_gumbel(...))."""
+against its pure-torch reference: argmax(logits + ops.sample_gumbel(...));
+pagoda::greedy_argmax (the same kernel without the noise) against
+torch.argmax."""
 
 import pytest
 import torch
@@ -79,3 +81,30 @@ def test_bad_arguments():
         ops.gumbel_argmax(logits, seeds, offsets.int())
     with pytest.raises(ValueError, match="logits must be contiguous in its last dimension"):
         ops.gumbel_argmax(logits.t().contiguous().t(), seeds, offsets)
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 63, 64, 65, 4095, 4096, 4097, 49152])
+@pytest.mark.parametrize("rows", [1, 2, 17])
+def test_greedy_equals_torch_argmax(rows, vocab):
+    """Ties (values repeated across the row and across work items of 4096),
+    NaN, -inf and -0.0 against +0.0 go as torch.argmax's."""
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    logits = strided_rows(rows, vocab, torch.float32, "cpu")
+    logits.copy_(torch.randint(-3, 4, (rows, vocab), generator=g).float())  # many ties
+    if rows > 1:
+        logits[1] = float("-inf")
+        logits[1, vocab // 2] = -0.0
+        logits[1, -1] = 0.0  # equal to -0.0: the lower index wins
+    if rows > 2:
+        logits[2, vocab - 1] = float("nan")
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    got = ops.greedy_argmax(logits, out=out)
+    assert got is out
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_greedy_bad_arguments():
+    with pytest.raises(TypeError, match="logits must be float32"):
+        ops.greedy_argmax(torch.randn(3, 10).double())
+    with pytest.raises(ValueError, match="out must be a 1-D tensor of num_rows = 3"):
+        ops.greedy_argmax(torch.randn(3, 10), out=torch.empty(2, dtype=torch.int64))

@@ -85,6 +85,12 @@ class SamplingMetadata:
         return self.presence_penalties is not None or self.repetition_penalties is not None
 
     @property
+    def edits_logits(self) -> bool:
+        """Some row's logits change before sampling (grammar, bias, min_tokens, penalties)."""
+        return (self.grammar_bitmask is not None or bool(self.logit_bias) or any(self.min_tokens.values())
+                or self.uses_penalties)
+
+    @property
     def max_num_logprobs(self) -> int | None:
         if self.num_logprobs is None:
             return None
@@ -192,13 +198,16 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        # A private float32 copy: the steps below work in place.
-        logits = logits.to(torch.float32, copy=True)
-        apply_grammar_bitmask(logits, md)
-        apply_logit_bias(logits, md.logit_bias)
-        apply_min_tokens(logits, md.min_tokens)
-        apply_penalties(logits, md)
-        out = DeviceSamplerOutput(self._sample(logits, md))
+        if md.all_greedy and not md.edits_logits:
+            out = DeviceSamplerOutput(_argmax(logits))
+        else:
+            # A private float32 copy: the steps below work in place.
+            logits = logits.to(torch.float32, copy=True)
+            apply_grammar_bitmask(logits, md)
+            apply_logit_bias(logits, md.logit_bias)
+            apply_min_tokens(logits, md.min_tokens)
+            apply_penalties(logits, md)
+            out = DeviceSamplerOutput(self._sample(logits, md))
         if raw_logprobs is not None:
             out.logprob_tensors = _logprob_tensors(raw_logprobs, out.sampled, md.max_num_logprobs)
             out.num_logprobs = md.num_logprobs
@@ -207,10 +216,10 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         if logits.is_cuda and _native.has_kernel("sample"):
             return _sample_on_gpu(logits, md)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else _argmax(logits)
         is_greedy = md.temperature == 0.0
         # Greedy rows divide by 1 (their random draw is discarded below).
         logits.div_(torch.where(is_greedy, 1.0, md.temperature).unsqueeze(1))
@@ -224,6 +233,14 @@ class Sampler(nn.Module):
         else:
             sampled = ops.gumbel_argmax_reference(logits, seeds.to(logits.device), offsets.to(logits.device))
         return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: the native kernel for float32 logits on the
+    CPU (ops.greedy_argmax: a third of torch's time there), else torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _native.has_kernel("greedy_argmax", "cpu"):
+        return ops.greedy_argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def race_keys(md: SamplingMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor]:
