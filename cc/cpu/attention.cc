@@ -29,7 +29,7 @@
 // widened in registers as for a bf16 model). An item's first rows (up to
 // 128 KB) and then the next tile's rows are prefetched into L2 (paged rows
 // are scattered, and a kv head's rows are strided, so hardware prefetchers
-// miss them).
+// miss them), and the K rows a few keys ahead of the scores into L1.
 #include "cc/cpu/kernels.h"
 #include "cc/cpu/vec.h"
 
@@ -62,6 +62,8 @@ constexpr int64_t kPrefetchKeys = kKeyTile;
 // faster (64 KB gained less, 256 KB no more). Its rows are then requested
 // again a tile ahead as above, which on its own hid little of the latency.
 constexpr int64_t kItemPrefetchBytes = 128 << 10;
+// Keys ahead whose K rows tile_scores requests into L1 (see there).
+constexpr int kNearKeys = 8;
 // Query rows (tokens x heads of a GQA group) per chunk, when the group is
 // smaller than this.
 constexpr int64_t kTargetRows = 16;
@@ -175,13 +177,19 @@ class RowCursor {
   int64_t block_size_, kv_row_, block_, offset_;
 };
 
-// Prefetches the cache lines of n > 0 bytes at p into L2: a batch's K/V
-// rows a tile or two ahead are 24-48 KB, as much as L1 holds (into L1, SmolLM2's
-// decode call took 25-35% longer, the lines in use evicted by those ahead).
+// Prefetches the cache lines of n > 0 bytes at p into L2, or with kL1 into
+// L1. A batch's K/V rows a tile or two ahead are 24-48 KB, as much as L1
+// holds, so they go to L2 (into L1, SmolLM2's decode call took 25-35% longer,
+// the lines in use evicted by those ahead); only a few keys ahead go to L1.
+template <bool kL1 = false>
 inline void prefetch_bytes(const void* p, int64_t n) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
   for (uintptr_t a = begin & ~uintptr_t{63}; a < begin + n; a += 64) {
-    prefetch_l2(reinterpret_cast<const void*>(a));
+    if constexpr (kL1) {
+      prefetch(reinterpret_cast<const void*>(a));
+    } else {
+      prefetch_l2(reinterpret_cast<const void*>(a));
+    }
   }
 }
 
@@ -274,15 +282,24 @@ template <DType KD, int R, int C>
     for (int c = 0; c < C; ++c) s[r * kKeyTile + c] = sums[r * C + c];
 }
 
-// Scores of `rows` query rows against the tile's n keys.
+// Scores of `rows` query rows against the tile's n keys. The K rows
+// kNearKeys keys ahead are requested into L1 as each block of keys starts:
+// the tile-ahead prefetch into L2 alone left each K load waiting on L3 or
+// DRAM (SmolLM2's batch-16 decode, 30 layers from cold K/V, Zen 4: 195-227
+// against 254-290 us a layer; 4 or 16 keys ahead gained less, the same for
+// the V rows nothing).
 template <DType KD>
 void tile_scores(const float* q, int64_t rows, int64_t dp,
                  const storage_t<KD>* const* k, int n, float* s) {
+  const int64_t row_bytes = dp * static_cast<int64_t>(sizeof(storage_t<KD>));
   for_row_blocks(rows, [&](auto rows_tag, int64_t r) {
     constexpr int R = decltype(rows_tag)::value;
     constexpr int C = kDotKeys<R>;
     int j = 0;
     for (; j + C <= n; j += C) {
+      for (int a = j + kNearKeys; a < j + kNearKeys + C && a < n; ++a) {
+        prefetch_bytes<true>(k[a], row_bytes);
+      }
       dot_block<KD, R, C>(q + r * dp, dp, k + j, s + r * kKeyTile + j);
     }
     for (; j < n; ++j) {
