@@ -240,8 +240,9 @@ void llama_decoder_layers_cpu(at::Tensor& hidden, at::Tensor& residual, const at
   }
 }
 
-// seeds and offsets undefined: the greedy argmax.
-void argmax_rows(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds, const at::Tensor& offsets) {
+// seeds and offsets undefined (greedy_argmax): no noise, the greedy argmax.
+void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
+                       const at::Tensor& offsets) {
   check_cpu(logits, "logits");
   TORCH_CHECK_TYPE(logits.scalar_type() == at::kFloat, "logits must be float32, got ", logits.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [num_rows, vocab_size], got shape ", logits.sizes());
@@ -261,12 +262,7 @@ void argmax_rows(at::Tensor& out, const at::Tensor& logits, const at::Tensor& se
                               race ? offsets.data_ptr<int64_t>() : nullptr, rows.count, rows.width);
 }
 
-void gumbel_argmax_cpu(at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
-                       const at::Tensor& offsets) {
-  argmax_rows(out, logits, seeds, offsets);
-}
-
-void greedy_argmax_cpu(at::Tensor& out, const at::Tensor& logits) { argmax_rows(out, logits, {}, {}); }
+void greedy_argmax_cpu(at::Tensor& out, const at::Tensor& logits) { gumbel_argmax_cpu(out, logits, {}, {}); }
 
 // The whole of sampling runs on the GPU only (cuda/sampling.cu); on the CPU,
 // Sampler filters with torch ops and races with gumbel_argmax. Registered so

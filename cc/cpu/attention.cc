@@ -285,7 +285,7 @@ template <DType KD, int R, int C>
 // Scores of `rows` query rows against the tile's n keys. The K rows
 // kNearKeys keys ahead are requested into L1 as each block of keys starts:
 // the tile-ahead prefetch into L2 alone left each K load waiting on L3 or
-// DRAM (SmolLM2's batch-16 decode, 30 layers from cold K/V, Zen 4: 195-227
+// DRAM (SmolLM2's batch-16 decode, 30 layers from cold K/V, Zen 4: 184-191
 // against 254-290 us a layer; 4 or 16 keys ahead gained less, the same for
 // the V rows nothing).
 template <DType KD>
