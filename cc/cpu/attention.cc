@@ -26,12 +26,16 @@
 // head size that is not a whole number of vectors, converted once per tile to
 // zero-padded fp32 rows. The cache holds the queries' dtype, or bf16 under
 // fp32 queries (a 16-bit KV cache for an fp32 model: half the bytes from DRAM,
-// widened in registers as for a bf16 model). An item's first rows (up to
-// 128 KB) and then the next tile's rows are prefetched into L2 (paged rows
-// are scattered, and a kv head's rows are strided, so hardware prefetchers
-// miss them), and the K rows a few keys ahead of the scores into L1.
+// widened in registers as for a bf16 model). Paged rows are scattered, and
+// a kv head's rows are strided, so the hardware prefetchers miss them: a
+// thread claims its next item as it starts one and, while it computes,
+// requests that item's first rows (up to 128 KB) into L2, a few with each
+// block of scores; the current item's further rows are requested a tile
+// ahead, and its K rows a few keys ahead of the scores into L1.
 #include "cc/cpu/kernels.h"
 #include "cc/cpu/vec.h"
+
+#include <atomic>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -52,15 +56,16 @@ constexpr int kKeyTile = 32;
 static_assert(kKeyTile % 16 == 0, "tiles are whole vectors for both ISAs");
 // Keys whose K/V rows are prefetched ahead of the tile being computed: one
 // tile. Two tiles (48 KB of SmolLM2's batch-16 rows in flight) made its
-// 30-layer decode call 10-15% slower, and prefetching each item's first tile
-// from the item before slower still: more requests than the core can keep
-// in flight only queue behind one another.
+// 30-layer decode call 10-15% slower, and requesting the next item's first
+// tile all at once from the item before slower still: more requests than
+// the core can keep in flight only queue behind one another (hence
+// ItemCache::step's few at a time).
 constexpr int64_t kPrefetchKeys = kKeyTile;
-// An item's first K/V rows, up to this many bytes, are also requested all at
-// once as it starts: SmolLM2's 30 layers of batch-16 decode attention from
-// cold K/V took 130 against 178 us a layer (Zen 4), a batch-16 run 4.5%
-// faster (64 KB gained less, 256 KB no more). Its rows are then requested
-// again a tile ahead as above, which on its own hid little of the latency.
+// An item's first K/V rows, up to this many bytes, are requested before its
+// computation: while the item before computes, or else all at once as it
+// starts (which alone took SmolLM2's 30 layers of batch-16 decode attention
+// from cold K/V to 130 from 178 us a layer on Zen 4; 64 KB gained less,
+// 256 KB no more, and the same held for requests paced over a share per tile).
 constexpr int64_t kItemPrefetchBytes = 128 << 10;
 // Keys ahead whose K rows tile_scores requests into L1 (see there).
 constexpr int kNearKeys = 8;
@@ -193,6 +198,68 @@ inline void prefetch_bytes(const void* p, int64_t n) {
   }
 }
 
+// One work item's view of the cache: kv heads [kv_head0, kv_head0 + heads)
+// of one sequence, keys [begin, end). A key's rows of those heads lie side by
+// side; they are requested into L2 in key order ahead of the computation
+// (paged rows are scattered, and a batch's K/V comes from DRAM, so the
+// hardware prefetchers miss them).
+template <typename CT>
+class ItemCache {
+ public:
+  ItemCache(const Context& c, const Chunk& ch, int64_t kv_head0,
+            int64_t heads, int64_t begin, int64_t end)
+      : keys_(static_cast<const CT*>(c.p->key_cache) +
+              kv_head0 * c.p->head_size),
+        values_(static_cast<const CT*>(c.p->value_cache) +
+                kv_head0 * c.p->head_size),
+        row_bytes_(heads * c.p->head_size * static_cast<int64_t>(sizeof(CT))),
+        first_(c.p->block_tables + ch.seq * c.p->block_tables_stride,
+               c.p->block_size, c.kv_row, begin),
+        ahead_(first_),
+        begin_(begin),
+        requested_(begin),
+        end_(min64(end, ch.pos0 + ch.ntok)),
+        lead_(max64(1, kItemPrefetchBytes / (2 * row_bytes_))) {}
+
+  const CT* keys() const { return keys_; }
+  const CT* values() const { return values_; }
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  RowCursor rows() const { return first_; }  // from key begin()
+  // Keys requested before the item's computation starts.
+  int64_t lead_keys() const { return lead_; }
+
+  // Requests the rows of the keys before `key` not requested yet.
+  void request_until(int64_t key) {
+    for (key = min64(key, end_); requested_ < key; ++requested_) {
+      const int64_t row = ahead_.next();
+      prefetch_bytes(keys_ + row, row_bytes_);
+      prefetch_bytes(values_ + row, row_bytes_);
+    }
+  }
+
+  // Spreads the requests of the lead keys evenly over `steps` calls of
+  // step(), made while the item before computes: a burst of them would stall
+  // that computation once the core's queue of misses is full.
+  void pace(int64_t steps) {
+    steps_ = max64(1, steps);
+    credit_ = 0;
+  }
+  void step() {
+    int64_t keys = 0;
+    for (credit_ += lead_; credit_ >= steps_; credit_ -= steps_) ++keys;
+    request_until(requested_ + keys);
+  }
+
+ private:
+  const CT* keys_;
+  const CT* values_;
+  int64_t row_bytes_;
+  RowCursor first_, ahead_;
+  int64_t begin_, requested_, end_, lead_;
+  int64_t steps_ = 1, credit_ = 0;
+};
+
 // ---------------------------------------------------------------------------
 // Row conversions.
 
@@ -287,10 +354,12 @@ template <DType KD, int R, int C>
 // the tile-ahead prefetch into L2 alone left each K load waiting on L3 or
 // DRAM (SmolLM2's batch-16 decode, 30 layers from cold K/V, Zen 4: 184-191
 // against 254-290 us a layer; 4 or 16 keys ahead gained less, the same for
-// the V rows nothing).
-template <DType KD>
+// the V rows nothing). step() is called after each block of keys
+// (score_blocks per row block and whole tile).
+template <DType KD, typename Step>
 void tile_scores(const float* q, int64_t rows, int64_t dp,
-                 const storage_t<KD>* const* k, int n, float* s) {
+                 const storage_t<KD>* const* k, int n, float* s,
+                 const Step& step) {
   const int64_t row_bytes = dp * static_cast<int64_t>(sizeof(storage_t<KD>));
   for_row_blocks(rows, [&](auto rows_tag, int64_t r) {
     constexpr int R = decltype(rows_tag)::value;
@@ -301,11 +370,21 @@ void tile_scores(const float* q, int64_t rows, int64_t dp,
         prefetch_bytes<true>(k[a], row_bytes);
       }
       dot_block<KD, R, C>(q + r * dp, dp, k + j, s + r * kKeyTile + j);
+      step();
     }
     for (; j < n; ++j) {
       dot_block<KD, R, 1>(q + r * dp, dp, k + j, s + r * kKeyTile + j);
     }
   });
+}
+
+// The blocks of keys tile_scores computes for `rows` rows over a whole tile.
+inline int64_t score_blocks(int64_t rows) {
+  int64_t blocks = 0;
+  for_row_blocks(rows, [&](auto rows_tag, int64_t) {
+    blocks += kKeyTile / kDotKeys<decltype(rows_tag)::value>;
+  });
+  return blocks;
 }
 
 // acc[r][d0 .. d0 + NV*L) += sum_j p[r * kKeyTile + j] * v[j][same] for R
@@ -377,50 +456,39 @@ inline float softmax_step(float* s, int nv, float* m, float* l) {
 }
 
 // ---------------------------------------------------------------------------
-// One work item: one chunk, kv heads [kv_head0, kv_head0 + heads), keys
-// [k_begin, k_end). A split range (partial != null) has one head. D is the
-// dtype of query and out, C the caches'.
+// One work item: one chunk, kv heads [kv_head0, kv_head0 + heads), the keys
+// of its `cache`, while requesting the first rows of `upcoming` (the
+// thread's next item, if any). A split range (partial != null) has one head.
+// D is the dtype of query and out, C the caches'.
 
 template <DType D, DType C, bool kInPlace>
 void attend(const Context& c, const Chunk& ch, int64_t kv_head0, int64_t heads,
-            int64_t k_begin, int64_t k_end, Scratch& w, float* partial) {
+            ItemCache<storage_t<C>>& cache, ItemCache<storage_t<C>>* upcoming,
+            Scratch& w, float* partial) {
   using T = storage_t<D>;
-  using CT = storage_t<C>;
   constexpr DType KD = kInPlace ? C : F32;  // how K/V rows are read
   using KT = storage_t<KD>;
   const PagedAttentionParams& p = *c.p;
   const int64_t head_size = p.head_size, dp = c.dp, group = c.group;
   const int64_t rows = ch.ntok * group;
-  const int64_t bs = p.block_size;
+  const auto* key_cache = cache.keys();
+  const auto* value_cache = cache.values();
+  const int64_t k_begin = cache.begin(), k_end = cache.end();
 
-  const CT* key_cache =
-      static_cast<const CT*>(p.key_cache) + kv_head0 * head_size;
-  const CT* value_cache =
-      static_cast<const CT*>(p.value_cache) + kv_head0 * head_size;
-  const int64_t last_pos = ch.pos0 + ch.ntok - 1;
-  k_end = min64(k_end, last_pos + 1);
-
-  // The item's heads of one token lie side by side in the cache. Their rows
-  // are prefetched (paged rows are scattered, and a batch's K/V comes from
-  // DRAM): the item's first kItemPrefetchBytes of them as it starts, and each
-  // tile's again kPrefetchKeys keys ahead of the tile being computed.
-  const int64_t row_bytes =
-      heads * head_size * static_cast<int64_t>(sizeof(CT));
-  const int32_t* block_table = p.block_tables + ch.seq * p.block_tables_stride;
-  auto fetch_row = [&](int64_t row) {
-    prefetch_bytes(key_cache + row, row_bytes);
-    prefetch_bytes(value_cache + row, row_bytes);
+  // The item's first rows are requested as it starts (unless the item before
+  // did), the rest a tile ahead of the computation; the next item's first
+  // rows a few with each block of scores, so that they are on their way
+  // while this item computes. SmolLM2's 30 layers of batch-16 decode
+  // attention from cold K/V, Zen 4: ~100 against 192-197 us a layer (a share
+  // with each tile instead: 137-160 us).
+  cache.request_until(k_begin + cache.lead_keys());
+  if (upcoming != nullptr) {
+    upcoming->pace(div_up(k_end - k_begin, kKeyTile) * heads *
+                   score_blocks(rows));
+  }
+  auto step = [upcoming] {
+    if (upcoming != nullptr) upcoming->step();
   };
-  RowCursor first(block_table, bs, c.kv_row, k_begin);
-  const int64_t first_end =
-      min64(k_end, k_begin + max64(1, kItemPrefetchBytes / (2 * row_bytes)));
-  for (int64_t k = k_begin; k < first_end; ++k) fetch_row(first.next());
-  RowCursor ahead(block_table, bs, c.kv_row, k_begin);
-  int64_t fetched = k_begin;
-  auto prefetch_until = [&](int64_t end) {
-    for (end = min64(end, k_end); fetched < end; ++fetched) fetch_row(ahead.next());
-  };
-  prefetch_until(k_begin + kKeyTile);
 
   // Row r of head i: token r / group of the chunk, query head
   // (kv_head0 + i) * group + r % group; scratch row i * rows + r.
@@ -439,14 +507,14 @@ void attend(const Context& c, const Chunk& ch, int64_t kv_head0, int64_t heads,
     }
   }
 
-  RowCursor cursor(block_table, bs, c.kv_row, k_begin);
+  RowCursor cursor = cache.rows();
   int64_t cache_row[kKeyTile];
   const KT* kp[kKeyTile];
   const KT* vp[kKeyTile];
   for (int64_t t0 = k_begin; t0 < k_end; t0 += kKeyTile) {
     const int n = static_cast<int>(min64(kKeyTile, k_end - t0));
     for (int j = 0; j < n; ++j) cache_row[j] = cursor.next();
-    prefetch_until(t0 + n + kPrefetchKeys);
+    cache.request_until(t0 + n + kPrefetchKeys);
     // Rows of tokens before the tile see none of it; the others see its
     // first nv keys, the same for every head.
     const int64_t r0 = max64(0, t0 - ch.pos0) * group;
@@ -469,7 +537,8 @@ void attend(const Context& c, const Chunk& ch, int64_t kv_head0, int64_t heads,
       }
       float* q = w.q + i * rows * dp;
       float* acc = w.acc + i * rows * dp;
-      tile_scores<KD>(q + r0 * dp, rows - r0, dp, kp, n, w.s + r0 * kKeyTile);
+      tile_scores<KD>(q + r0 * dp, rows - r0, dp, kp, n, w.s + r0 * kKeyTile,
+                      step);
       for (int64_t r = r0; r < rows; ++r) {
         const float correction =
             softmax_step(w.s + r * kKeyTile, w.nv[r], w.m + i * rows + r,
@@ -635,11 +704,18 @@ void paged_attention_impl(const PagedAttentionParams& p) {
   // less than a converted copy even for 16 rows) unless the head size is not
   // a whole number of vectors.
   const bool in_place = p.head_size % L == 0;
-  auto run_item = [&](int64_t i, Scratch& w) {
+  using CT = storage_t<C>;
+  auto cache_of = [&](int64_t i) {
     const Item& it = items[i];
     const Chunk& ch = chunks[it.chunk];
     const int64_t begin = it.split * ch.split_len;
-    const int64_t end = begin + ch.split_len;
+    return ItemCache<CT>(c, ch, it.kv_head, it.num_kv_heads, begin,
+                         begin + ch.split_len);
+  };
+  auto run_item = [&](int64_t i, ItemCache<CT>& cache,
+                      ItemCache<CT>* upcoming, Scratch& w) {
+    const Item& it = items[i];
+    const Chunk& ch = chunks[it.chunk];
     float* partial = nullptr;
     if (ch.nsplit > 1) {
       const int64_t part_size = ch.ntok * group * (c.dp + 2);
@@ -647,11 +723,30 @@ void paged_attention_impl(const PagedAttentionParams& p) {
                 (it.kv_head * ch.nsplit + it.split) * part_size;
     }
     if (in_place) {
-      attend<D, C, true>(c, ch, it.kv_head, it.num_kv_heads, begin, end, w,
-                      partial);
+      attend<D, C, true>(c, ch, it.kv_head, it.num_kv_heads, cache, upcoming,
+                         w, partial);
     } else {
-      attend<D, C, false>(c, ch, it.kv_head, it.num_kv_heads, begin, end, w,
-                       partial);
+      attend<D, C, false>(c, ch, it.kv_head, it.num_kv_heads, cache, upcoming,
+                          w, partial);
+    }
+  };
+  // Runs the items claim() hands out until it returns one past the last.
+  // Each is claimed before the one before runs, which requests its first
+  // rows (the cost: a thread may hold the last item while another idles).
+  auto run_items = [&](Scratch& w, const auto& claim) {
+    int64_t i = claim();
+    if (i >= num_items) return;
+    ItemCache<CT> cache = cache_of(i);
+    for (;;) {
+      const int64_t next = claim();
+      if (next >= num_items) {
+        run_item(i, cache, nullptr, w);
+        return;
+      }
+      ItemCache<CT> upcoming = cache_of(next);
+      run_item(i, cache, &upcoming, w);
+      cache = upcoming;
+      i = next;
     }
   };
   auto run_merge = [&](int64_t i) {
@@ -663,19 +758,22 @@ void paged_attention_impl(const PagedAttentionParams& p) {
 
   if (!parallel) {
     Scratch w(c.max_rows, c.max_heads, c.dp);
-    for (int64_t i = 0; i < num_items; ++i) run_item(i, w);
+    int64_t claimed = 0;
+    run_items(w, [&] { return claimed++; });
   } else {
+    // A shared counter hands out the items (dynamic scheduling).
+    std::atomic<int64_t> claimed{0};
 #ifdef _OPENMP
 #pragma omp parallel
 #endif
     {
       Scratch w(c.max_rows, c.max_heads, c.dp);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-      for (int64_t i = 0; i < num_items; ++i) run_item(i, w);
+      run_items(w, [&] {
+        return claimed.fetch_add(1, std::memory_order_relaxed);
+      });
       if (partial_floats > 0) {
 #ifdef _OPENMP
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t i = 0; i < num_items; ++i) run_merge(i);
