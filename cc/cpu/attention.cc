@@ -479,8 +479,8 @@ void attend(const Context& c, const Chunk& ch, int64_t kv_head0, int64_t heads,
   // did), the rest a tile ahead of the computation; the next item's first
   // rows a few with each block of scores, so that they are on their way
   // while this item computes. SmolLM2's 30 layers of batch-16 decode
-  // attention from cold K/V, Zen 4: ~100 against 192-197 us a layer (a share
-  // with each tile instead: 137-160 us).
+  // attention from cold K/V, Zen 4: 102-139 against 192-269 us a layer (a
+  // share with each tile instead: 137-171 us; docs/BENCHMARKS.md).
   cache.request_until(k_begin + cache.lead_keys());
   if (upcoming != nullptr) {
     upcoming->pace(div_up(k_end - k_begin, kKeyTile) * heads *
@@ -731,8 +731,9 @@ void paged_attention_impl(const PagedAttentionParams& p) {
     }
   };
   // Runs the items claim() hands out until it returns one past the last.
-  // Each is claimed before the one before runs, which requests its first
-  // rows (the cost: a thread may hold the last item while another idles).
+  // A thread claims its next item before it runs the current one, which
+  // requests the next one's first rows (the cost: a thread may hold the last
+  // item while another idles).
   auto run_items = [&](Scratch& w, const auto& claim) {
     int64_t i = claim();
     if (i >= num_items) return;
