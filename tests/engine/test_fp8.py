@@ -41,6 +41,29 @@ def test_fp8_follows_bf16(make_checkpoint, family):
     assert max(drifts) > 0  # the weights were quantized
 
 
+def test_fp8_norms_and_activation_quantize_for_their_linears(make_checkpoint):
+    """The norms and the activation that feed an FP8 linear hand it e4m3 rows
+    (fp8_output): on the CPU the same ops as the linear's own quantization,
+    so the same logprobs to the bit as with the flags cleared; the final norm,
+    which feeds the bf16 LM head, and Qwen3's head norms are left alone."""
+    _, folder = make_checkpoint("qwen3")
+    llm = LLM(folder, device="cpu", dtype="bfloat16", quantization="fp8", kv_cache_space=0.01)
+    model = llm.llm_engine.runner.model
+    layers = model.model.layers
+    producers = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn)]
+    assert all(m.fp8_output for m in producers)
+    assert not model.model.norm.fp8_output
+    assert not any(layer.self_attn.q_norm.fp8_output or layer.self_attn.k_norm.fp8_output for layer in layers)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    for m in producers:
+        m.fp8_output = False
+    for got, want in zip(fused, llm.generate(prompts, params, use_tqdm=False)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.prompt_logprobs == want.prompt_logprobs and got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
 def test_fp8_configuration_errors(make_checkpoint):
     _, folder = make_checkpoint("llama")
     with pytest.raises(ValueError, match="dtype"):

@@ -7,11 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+from pagoda import ops
 from pagoda.model_executor.layers.fp8 import (
     ALIGNMENT,
     FP8_DTYPE,
     FP8_MAX,
+    QuantizedRows,
     fp8_linear,
+    fused_rms_norm_quant,
+    fused_silu_and_mul_quant,
     quantize_linear_weights,
     quantize_rows,
 )
@@ -92,6 +96,71 @@ def test_fp8_linear_keeps_leading_dimensions_and_empty_batches():
     assert out.shape == (2, 3, 32)
     torch.testing.assert_close(out.view(6, 32), fp8_linear(x.view(6, 16), weight, scale.view(1, -1)))
     assert fp8_linear(x[:0], weight, scale.view(1, -1)).shape == (0, 3, 32)
+    quantized = QuantizedRows(*quantize_rows(x.view(6, 16)), x.dtype)
+    assert torch.equal(fp8_linear(quantized, weight, scale.view(1, -1)), fp8_linear(x.view(6, 16), weight, scale.view(1, -1)))
+    empty = QuantizedRows(*quantize_rows(x.view(6, 16)[:0]), x.dtype)
+    assert fp8_linear(empty, weight, scale.view(1, -1)).shape == (0, 32)
+
+
+def assert_quantized_alike(got: QuantizedRows, want_q: torch.Tensor, want_scale: torch.Tensor, dtype: torch.dtype):
+    """Exactly quantize_rows of the unfused op's output on the CPU (the same
+    ops in turn). On CUDA the fused kernel sums the norm's squares in another
+    order than the CUDA norm, so a rounding of the row may land one unit of
+    the model's dtype apart: scales within two such units; each value, as
+    both quantizations round their own input to within half an e4m3 unit and
+    the inputs are within a unit of the model's dtype, within an e4m3 unit
+    and two of the dtype (or twice the subnormal bound); at most 1% of the
+    values not bit-equal."""
+    assert got.dtype == dtype and got.q.dtype == FP8_DTYPE and got.q.shape == want_q.shape
+    assert got.scale.shape == want_scale.shape and got.scale.dtype == torch.float32
+    if got.q.device.type == "cpu":
+        assert torch.equal(got.scale, want_scale) and torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+        return
+    torch.testing.assert_close(got.scale, want_scale, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    want = want_q.double() * want_scale.double()
+    error = (got.q.double() * got.scale.double() - want).abs()
+    eps = torch.finfo(dtype).eps
+    assert torch.all(error <= want.abs() * (2**-3 + 2 * eps) + want_scale.double() * 2**-9 * 2), (
+        (error - want.abs() * (2**-3 + 2 * eps)).max())
+    assert (got.q.view(torch.uint8) != want_q.view(torch.uint8)).sum() <= 0.01 * want_q.numel()
+
+
+def activation_rows(rows: int, cols: int, dtype: torch.dtype, largest: float = 2.0) -> torch.Tensor:
+    """Rows of standard normal values scaled from 10^-2 to 10^largest."""
+    scales = torch.logspace(-2, largest, max(rows, 1))[:rows].unsqueeze(1)
+    return (torch.randn(rows, cols) * scales).to(dtype).to(DEVICE)
+
+
+# 20000 columns: wider than the fused CUDA kernels hold in registers (they
+# then run the two ops apart).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 256])
+@pytest.mark.parametrize("cols", [48, 4096, 20000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_quant_is_quantize_rows_of_the_norm(dtype, rows, cols, with_residual):
+    torch.manual_seed(rows + cols)
+    x, residual = activation_rows(rows, cols, dtype), activation_rows(rows, cols, dtype)
+    weight = (torch.rand(cols) + 0.5).to(dtype).to(DEVICE)
+    want_residual = residual.clone()
+    if with_residual:
+        normed = x.clone()
+        ops.fused_add_rms_norm(normed, want_residual, weight, 1e-6)
+    else:
+        normed = ops.rms_norm(x, weight, 1e-6)
+    got_residual = residual.clone()
+    got = fused_rms_norm_quant(x.clone(), weight, 1e-6, got_residual if with_residual else None)
+    assert torch.equal(got_residual, want_residual)
+    assert_quantized_alike(got, *quantize_rows(normed), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 256])
+@pytest.mark.parametrize("d", [48, 14336, 20000])
+def test_fused_silu_and_mul_quant_is_quantize_rows_of_the_activation(dtype, rows, d):
+    torch.manual_seed(rows + d)
+    x = activation_rows(rows, 2 * d, dtype, largest=1.0)  # gate x up stays finite in fp16
+    got = fused_silu_and_mul_quant(x)
+    assert_quantized_alike(got, *quantize_rows(ops.silu_and_mul(x)), dtype)
 
 
 def test_quantize_linear_weights_converts_aligned_linear_layers_only():

@@ -7,12 +7,17 @@ import torch
 from torch import nn
 
 from pagoda import ops
+from pagoda.model_executor.layers.fp8 import QuantizedRows, fused_silu_and_mul_quant
 
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] on the last dimension -> silu(gate) * up."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fp8_output = False  # as RMSNorm's: set where an FP8 linear reads the output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedRows:
+        if self.fp8_output:
+            return fused_silu_and_mul_quant(x)
         return ops.silu_and_mul(x)
 
 

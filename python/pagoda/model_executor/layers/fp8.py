@@ -22,6 +22,8 @@ greedy agreement with bf16.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -46,6 +48,57 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@dataclass
+class QuantizedRows:
+    """An activation [..., cols] already quantized per row (q e4m3, scale fp32
+    [rows, 1], as quantize_rows gives) by the op that produced it: a norm or
+    the MLP's activation with the quantization fused in (fp8_output), so the
+    FP8 linear after it reads e4m3 and launches no quantization of its own.
+    dtype: the activation's own dtype, the linear's output dtype."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def fused_rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         residual: torch.Tensor | None = None) -> QuantizedRows:
+    """quantize_rows of RMSNorm's output: of rms_norm(x), or, with residual,
+    of fused_add_rms_norm's (residual += x in place, then its norm; x may be
+    overwritten). On CUDA one Triton launch, which never writes the
+    normalized rows in the model's dtype; elsewhere (or for rows too wide for
+    it) the two ops in turn."""
+    from pagoda import ops
+
+    if x.device.type == "cuda":
+        from pagoda.model_executor.layers import fp8_triton  # GPU only: CPU installs need no triton
+
+        fused = fp8_triton.rms_norm_quant(x, weight, eps, residual)
+        if fused is not None:
+            return QuantizedRows(*fused, x.dtype)
+    if residual is None:
+        normed = ops.rms_norm(x, weight, eps)
+    else:
+        ops.fused_add_rms_norm(x, residual, weight, eps)
+        normed = x
+    return QuantizedRows(*quantize_tokens(normed.reshape(-1, normed.shape[-1])), x.dtype)
+
+
+def fused_silu_and_mul_quant(x: torch.Tensor) -> QuantizedRows:
+    """quantize_rows of silu_and_mul(x) (x = [gate | up]): on CUDA one Triton
+    launch, elsewhere (or for rows too wide for it) the two ops in turn."""
+    from pagoda import ops
+
+    if x.device.type == "cuda":
+        from pagoda.model_executor.layers import fp8_triton
+
+        fused = fp8_triton.silu_and_mul_quant(x)
+        if fused is not None:
+            return QuantizedRows(*fused, x.dtype)
+    out = ops.silu_and_mul(x)
+    return QuantizedRows(*quantize_tokens(out.reshape(-1, out.shape[-1])), x.dtype)
+
+
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows of an activation [tokens, hidden]: on CUDA one Triton
     launch (a read for the maxima, a read and a write for the values) instead
@@ -57,18 +110,25 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_triton.quantize_tokens(x)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantized(weight).T + bias in x's dtype. weight: e4m3 [N, K] with
-    weight_scale fp32 [1, N] (quantize_linear_weights)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-    q, scale = quantize_tokens(rows)
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+    weight_scale fp32 [1, N] (quantize_linear_weights). x may come quantized
+    already (QuantizedRows)."""
+    if isinstance(x, QuantizedRows):
+        (q, scale), lead, dtype = (x.q, x.scale), x.q.shape[:-1], x.dtype
+    else:
+        lead, dtype = x.shape[:-1], x.dtype
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, weight.shape[0])
+        q, scale = quantize_tokens(rows)
+    if q.shape[0] == 0:
+        return q.new_empty(*lead, weight.shape[0], dtype=dtype)
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=dtype)
     if bias is not None:
         out.add_(bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*lead, weight.shape[0])
 
 
 def quantize_linear_weights(model: nn.Module) -> tuple[int, int]:
@@ -93,4 +153,10 @@ def quantize_linear_weights(model: nn.Module) -> tuple[int, int]:
         fp8_weight.fp8_scale = scale.view(1, -1).contiguous()
         module.weight = fp8_weight
         quantized += 1
+    # A norm or activation whose only reader is an FP8 linear quantizes its
+    # output itself (one launch instead of two; the module names the pairs).
+    for module in model.modules():
+        for producer, consumer in getattr(module, "fp8_input_producers", ()):
+            if hasattr(module.get_submodule(consumer).weight, "fp8_scale"):
+                module.get_submodule(producer).fp8_output = True
     return quantized, kept

@@ -100,6 +100,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # (producer, its output's only reader): under --quantization fp8 the
+    # producer quantizes its output for the linear (fp8.quantize_linear_weights).
+    fp8_input_producers = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm", "mlp.gate_up_proj"),
+                           ("mlp.act_fn", "mlp.down_proj"))
+
     def __init__(self, config, dtype: torch.dtype, attention_cls: type[LlamaAttention]):
         super().__init__()
         self.self_attn = attention_cls(config, dtype)
