@@ -1,6 +1,8 @@
-"""The Triton per-token FP8 quantization (fp8_triton.quantize_tokens) against
-its definition, fp8.quantize_rows: the same scales and the same e4m3 values,
-bit for bit.
+"""The FP8 layer's Triton kernels: the per-token quantization
+(fp8_triton.quantize_tokens) against its definition, fp8.quantize_rows (the
+same scales and the same e4m3 values, bit for bit); the GEMM
+(fp8_triton.scaled_gemm, its own kernel for few rows on Hopper) as close to
+the exact product as torch._scaled_mm.
 
 Needs a CUDA GPU: Triton's interpreter (3.9) rounds fp32 to e4m3 wrongly
 (125.87 becomes 64, not 128), so it cannot stand in for one here.
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 DEVICE = "cuda"
 if SKIP is None:
     from pagoda.model_executor.layers.fp8 import quantize_rows
-    from pagoda.model_executor.layers.fp8_triton import quantize_tokens
+    from pagoda.model_executor.layers.fp8_triton import quantize_tokens, scaled_gemm, skinny_gemm_block_m
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -49,3 +51,45 @@ def test_quantize_tokens_of_a_strided_view_and_no_rows():
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     q, scale = quantize_tokens(x[:0])
     assert q.shape == (0, 64) and scale.shape == (0, 1)
+
+
+def _operands(rows, n, k):
+    torch.manual_seed(rows * 7 + n + k)
+    x = torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE).unsqueeze(1)
+    q, scale = quantize_rows(x)
+    weight, weight_scale = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.02)
+    return q, scale, weight, weight_scale.view(1, -1).contiguous()
+
+
+# Rows on both sides of each tile height and of the cuBLASLt boundary (64); N x
+# K from Qwen3-0.6B and Llama-3.1-8B and odd sizes (K = 128: one step of K).
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 100, 128, 129, 200, 256, 300])
+@pytest.mark.parametrize("n, k", [(64, 128), (1024, 3072), (4096, 1024), (192, 384), (6144, 4096)])
+def test_scaled_gemm_as_accurate_as_scaled_mm(rows, n, k):
+    """Both against the exact product of the same e4m3 operands (fp64): the
+    tensor cores' FP8 sums are not exact, so the kernel must be as close as
+    cuBLASLt, which moves them to fp32 every 128 products, as the kernel does
+    (Triton's default keeps them in the tensor core's narrower accumulator for
+    all of K: 10-100x further; a promotion every 256 products: up to 2.4x)."""
+    q, scale, weight, weight_scale = _operands(rows, n, k)
+    exact = (q.double() * scale.double()) @ (weight.double() * weight_scale.double().t()).t()
+    cublas = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=torch.float32)
+    got = scaled_gemm(q, scale, weight, weight_scale, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    largest = exact.abs().max().item()
+    cublas_error = (cublas.double() - exact).abs().max().item() / largest
+    error = (got.double() - exact).abs().max().item() / largest
+    assert error <= max(2 * cublas_error, 1e-6), (error, cublas_error)
+    got = scaled_gemm(q, scale, weight, weight_scale, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=2 * max(cublas_error, 1e-6) * largest)
+
+
+@pytest.mark.skipif(SKIP is None and torch.cuda.get_device_capability() != (9, 0), reason="the kernel runs on Hopper")
+def test_few_rows_take_the_triton_kernel_on_hopper():
+    assert skinny_gemm_block_m(1, 4096, 14336) == 16
+    assert skinny_gemm_block_m(33, 6144, 4096) == 64
+    assert skinny_gemm_block_m(64, 28672, 4096) == 64
+    assert skinny_gemm_block_m(65, 4096, 4096) is None  # cuBLASLt from 65 rows
+    assert skinny_gemm_block_m(16, 4100, 4096) is None  # N not a multiple of 64
+    assert skinny_gemm_block_m(16, 4096, 4160) is None  # K not a multiple of 128

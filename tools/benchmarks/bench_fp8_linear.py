@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """The FP8 linear layer (--quantization fp8) against bf16 on a GPU, at
-Llama-3.1-8B's linear shapes and batch sizes from decode to prefill.
+Llama-3.1-8B's and Qwen3-0.6B's linear shapes and batch sizes from decode to
+prefill.
 
 For each (layer, rows): median time per call of the bf16 GEMM (F.linear),
 of the FP8 layer as the model runs it (per-token activation quantization +
-torch._scaled_mm with row-wise scales), and of its quantization alone;
-TFLOP/s of each GEMM. Calls are timed as CUDA-graph replays (CUDA events
-around a graph of one call per weight copy), as decode steps run, so the
-host's launch time is left out. Weights rotate among enough copies to
+fp8_triton.scaled_gemm: cuBLASLt's torch._scaled_mm with row-wise scales, or
+the Triton kernel for few rows), of torch._scaled_mm alone on the same
+quantized rows, and of the quantization alone; TFLOP/s of each GEMM.
+Calls are timed as CUDA-graph replays (CUDA events around a graph of one
+call per weight copy), as decode steps run, so the host's launch time is
+left out. Weights rotate among enough copies to
 exceed the L2 cache, so decode sizes read them from HBM as a model does.
 
   PYTHONPATH=python python tools/benchmarks/bench_fp8_linear.py [--output-json out.json]
@@ -22,9 +25,12 @@ from bench_ops import median_ms
 
 from pagoda.model_executor.layers.fp8 import fp8_linear, quantize_rows, quantize_tokens
 
-# Llama-3.1-8B: (name, N, K)
-LAYERS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096), ("down_proj", 4096, 14336)]
-ROWS = [1, 16, 64, 256, 1024, 4096]
+# (model, name, N, K)
+LAYERS = [("Llama-3.1-8B", "qkv_proj", 6144, 4096), ("Llama-3.1-8B", "o_proj", 4096, 4096),
+          ("Llama-3.1-8B", "gate_up_proj", 28672, 4096), ("Llama-3.1-8B", "down_proj", 4096, 14336),
+          ("Qwen3-0.6B", "qkv_proj", 4096, 1024), ("Qwen3-0.6B", "o_proj", 1024, 2048),
+          ("Qwen3-0.6B", "gate_up_proj", 6144, 1024), ("Qwen3-0.6B", "down_proj", 1024, 3072)]
+ROWS = [1, 16, 32, 64, 128, 192, 256, 1024, 4096]
 ROTATE_BYTES = 512 * 2**20
 
 
@@ -46,8 +52,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
-    print(f"{'layer':<13}{'rows':>6}{'bf16 ms':>10}{'fp8 ms':>10}{'quant ms':>10}{'bf16 TF/s':>11}{'fp8 TF/s':>10}{'speedup':>9}")
-    for name, n, k in LAYERS:
+    print(f"{'model':<14}{'layer':<13}{'rows':>6}{'bf16 ms':>10}{'fp8 ms':>10}{'cublas ms':>10}{'quant ms':>10}"
+          f"{'bf16 TF/s':>11}{'fp8 TF/s':>10}{'speedup':>9}")
+    for model, name, n, k in LAYERS:
         copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_rows(w) for w in weights]
@@ -56,12 +63,16 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             bf16_ms = graph_ms([lambda w=w: F.linear(x, w) for w in weights])
             fp8_ms = graph_ms([lambda w=w: fp8_linear(x, *w) for w in fp8])
+            q, scale = quantize_tokens(x)
+            cublas_ms = graph_ms([lambda w=w: torch._scaled_mm(q, w[0].t(), scale_a=scale, scale_b=w[1],
+                                                                out_dtype=x.dtype) for w in fp8])
             quant_ms = graph_ms([lambda: quantize_tokens(x)] * copies)
             flops = 2 * rows * n * k
-            row = dict(layer=name, n=n, k=k, rows=rows, bf16_ms=bf16_ms, fp8_ms=fp8_ms, quantize_ms=quant_ms,
+            row = dict(model=model, layer=name, n=n, k=k, rows=rows, bf16_ms=bf16_ms, fp8_ms=fp8_ms,
+                       scaled_mm_ms=cublas_ms, quantize_ms=quant_ms,
                        bf16_tflops=flops / bf16_ms / 1e9, fp8_tflops=flops / fp8_ms / 1e9)
             results.append(row)
-            print(f"{name:<13}{rows:>6}{bf16_ms:>10.4f}{fp8_ms:>10.4f}{quant_ms:>10.4f}"
+            print(f"{model:<14}{name:<13}{rows:>6}{bf16_ms:>10.4f}{fp8_ms:>10.4f}{cublas_ms:>10.4f}{quant_ms:>10.4f}"
                   f"{row['bf16_tflops']:>11.1f}{row['fp8_tflops']:>10.1f}{bf16_ms / fp8_ms:>8.2f}x")
         del weights, fp8
     if args.output_json:

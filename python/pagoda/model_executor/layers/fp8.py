@@ -5,10 +5,11 @@ quantized once at load (from the bf16/fp16 checkpoint) with one scale per
 output channel; each step's activations are quantized per token (one scale
 per row, from that row's largest magnitude); torch._scaled_mm multiplies them
 on the FP8 tensor cores (Hopper's QGMMA; CUDA capability 8.9+) with both
-scale vectors applied in its epilogue, out in the model's dtype. A weight
-takes half the bytes of bf16, and the FP8 tensor cores' peak rate is twice
-bf16's (measured: 1.25-1.67x from 1024 rows, no gain below 256 rows on the
-smaller layers; docs/BENCHMARKS.md).
+scale vectors applied in its epilogue, out in the model's dtype, or on
+Hopper for batches of up to 64 rows a Triton kernel of our own
+(fp8_triton.scaled_gemm; cuBLASLt's FP8 kernels are far from the bandwidth
+floor there). A weight takes half the bytes of bf16, and the FP8 tensor
+cores' peak rate is twice bf16's (docs/BENCHMARKS.md).
 
 The embedding and the LM head stay in the model's dtype (as in vLLM: the
 logits are the most sensitive part and a small share of the FLOPs).
@@ -125,7 +126,12 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sca
         q, scale = quantize_tokens(rows)
     if q.shape[0] == 0:
         return q.new_empty(*lead, weight.shape[0], dtype=dtype)
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=dtype)
+    if q.is_cuda:
+        from pagoda.model_executor.layers import fp8_triton
+
+        out = fp8_triton.scaled_gemm(q, scale, weight, weight_scale, dtype)
+    else:
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=dtype)
     if bias is not None:
         out.add_(bias)
     return out.view(*lead, weight.shape[0])

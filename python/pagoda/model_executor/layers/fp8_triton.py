@@ -11,9 +11,21 @@ rms_norm_quant and silu_and_mul_quant are the same quantization fused onto
 the op that produces the row (the CUDA kernels' rounding, then
 quantize_rows' steps on the row held in registers): one launch where there
 were two, and the row never goes to memory in the model's dtype.
+
+scaled_gemm multiplies the quantized rows by an e4m3 weight with both scale
+vectors applied, as torch._scaled_mm does. For a few rows it runs its own
+kernel: cuBLASLt's FP8 kernels tile the rows by 64 or more and reach a third
+to a half of the bandwidth floor there (Llama-3.1-8B's down_proj at 16 rows
+on the H200: 38 us where its 59 MB need 14). The kernel swaps the operands,
+as vLLM's CUTLASS kernels do for small batches: the weight's rows are the
+tensor cores' M side (64 a program, many programs), the batch's rows their N
+side (16 to 64), and each program streams its weight rows once through a
+deep pipeline (tools/benchmarks/bench_fp8_linear.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -160,3 +172,76 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_tokens_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
                                          MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=max(4, min(16, block // 512)))
     return q, scale
+
+
+# Where the swapped kernel runs instead of cuBLASLt: batches of up to
+# _SKINNY_MAX_ROWS rows, the weight's N a multiple of _SKINNY_BLOCK_N and K of
+# _SKINNY_BLOCK_K. Beyond 64 rows cuBLASLt is level or faster (H100 and H200,
+# Llama-3.1-8B's and Qwen3-0.6B's shapes; docs/BENCHMARKS.md).
+_SKINNY_MAX_ROWS, _SKINNY_BLOCK_N = 64, 64
+# Hopper's FP8 tensor cores add into their accumulator with about 14 bits of
+# mantissa, and Triton leaves the sum there for all of K by default. The
+# kernel moves it into fp32 after every 128 products, as cuBLASLt does, by
+# taking K 128 deep per dot (a 256-deep dot split for the same promotion was
+# slower than cuBLASLt on the H200; 128-deep tiles with 8 stages are as fast
+# as 256-deep ones with 4-6 on the H100, at cuBLASLt's own error).
+_SKINNY_BLOCK_K, _SKINNY_STAGES = 128, 8
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _skinny_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, rows, k, x_stride, w_stride, out_stride,
+                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[m, n] = (sum_k x[m, k] w[n, k]) x_scale[m] w_scale[n]: a program
+    # takes BLOCK_N weight rows and BLOCK_M batch rows, all of K.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
+    in_batch = offs_m < rows
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in range(0, k, BLOCK_K):
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs, mask=in_batch[:, None], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=in_batch, other=0.0)
+    acc = acc * tl.load(w_scale_ptr + offs_n)[:, None] * x_scale[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * out_stride + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_batch[None, :])
+
+
+@functools.cache
+def _is_hopper() -> bool:
+    """The kernel's tiles and stages are sized for, and measured on, Hopper's
+    228 KB of shared memory per multiprocessor (sm_90; not ROCm's 9.4)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+
+
+def skinny_gemm_block_m(rows: int, n: int, k: int) -> int | None:
+    """The swapped kernel's batch rows per program (BLOCK_M) for this GEMM, or
+    None where cuBLASLt takes it (more than _SKINNY_MAX_ROWS rows, a shape
+    that does not tile, not Hopper)."""
+    if rows > _SKINNY_MAX_ROWS or n % _SKINNY_BLOCK_N or k % _SKINNY_BLOCK_K or not _is_hopper():
+        return None
+    return max(16, triton.next_power_of_2(rows))
+
+
+def scaled_gemm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """(q * scale) @ (weight * weight_scale).T in out_dtype: q e4m3 [rows, K]
+    with scale fp32 [rows, 1], weight e4m3 [N, K] with weight_scale fp32
+    [1, N]; fp32 accumulation and scaling, one rounding to out_dtype."""
+    rows, k = q.shape
+    n = weight.shape[0]
+    contiguous = q.stride(1) == 1 and weight.stride(1) == 1
+    block_m = skinny_gemm_block_m(rows, n, k) if rows and contiguous else None
+    if block_m is None:
+        return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+    out = torch.empty((rows, n), dtype=out_dtype, device=q.device)
+    grid = (n // _SKINNY_BLOCK_N, triton.cdiv(rows, block_m))
+    _skinny_gemm_kernel[grid](q, weight, scale, weight_scale, out, rows, k, q.stride(0), weight.stride(0),
+                              out.stride(0), BLOCK_N=_SKINNY_BLOCK_N, BLOCK_M=block_m, BLOCK_K=_SKINNY_BLOCK_K,
+                              num_stages=_SKINNY_STAGES, num_warps=4)
+    return out
