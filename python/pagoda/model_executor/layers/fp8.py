@@ -120,10 +120,7 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sca
         (q, scale), lead, dtype = (x.q, x.scale), x.q.shape[:-1], x.dtype
     else:
         lead, dtype = x.shape[:-1], x.dtype
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            return x.new_empty(*lead, weight.shape[0])
-        q, scale = quantize_tokens(rows)
+        q, scale = quantize_tokens(x.reshape(-1, x.shape[-1]))
     if q.shape[0] == 0:
         return q.new_empty(*lead, weight.shape[0], dtype=dtype)
     if q.is_cuda:

@@ -118,11 +118,16 @@ def _quantized_output(rows: int, cols: int, device: torch.device) -> tuple[torch
             torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
+def _row_launch(block: int) -> dict:
+    """A row kernel's block and warps (a warp per 512 elements, 4 to 16)."""
+    return dict(BLOCK=block, num_warps=max(4, min(16, block // 512)))
+
+
 def _fused_row_launch(cols: int) -> dict | None:
-    """A fused kernel's block and warps: a program holds its row whole, so
-    rows of up to _WIDE_BLOCK; None beyond."""
+    """A fused kernel's launch: a program holds its row whole, so rows of up
+    to _WIDE_BLOCK; None beyond."""
     block = triton.next_power_of_2(cols)
-    return None if block > _WIDE_BLOCK else dict(BLOCK=block, num_warps=max(4, min(16, block // 512)))
+    return None if block > _WIDE_BLOCK else _row_launch(block)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -170,7 +175,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = min(triton.next_power_of_2(cols), _WIDE_BLOCK if rows <= _WIDE_ROWS else _NARROW_BLOCK)
         _quantize_tokens_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
-                                         MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=max(4, min(16, block // 512)))
+                                         MIN_AMAX=MIN_AMAX, **_row_launch(block))
     return q, scale
 
 
