@@ -61,8 +61,9 @@ def _operands(rows, n, k):
     return q, scale, weight, weight_scale.view(1, -1).contiguous()
 
 
-# Rows on both sides of each tile height and of the cuBLASLt boundary (64); N x
-# K from Qwen3-0.6B and Llama-3.1-8B and odd sizes (K = 128: one step of K).
+# Rows on both sides of each tile height and of the cuBLASLt boundaries (64 rows;
+# 256, or one wave of programs, beyond); N x K from Qwen3-0.6B and Llama-3.1-8B
+# and odd sizes (K = 128: one step of K).
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 100, 128, 129, 200, 256, 300])
 @pytest.mark.parametrize("n, k", [(64, 128), (1024, 3072), (4096, 1024), (192, 384), (6144, 4096)])
 def test_scaled_gemm_as_accurate_as_scaled_mm(rows, n, k):
@@ -89,7 +90,12 @@ def test_scaled_gemm_as_accurate_as_scaled_mm(rows, n, k):
 def test_few_rows_take_the_triton_kernel_on_hopper():
     assert skinny_gemm_block_m(1, 4096, 14336) == 16
     assert skinny_gemm_block_m(33, 6144, 4096) == 64
-    assert skinny_gemm_block_m(64, 28672, 4096) == 64
-    assert skinny_gemm_block_m(65, 4096, 4096) is None  # cuBLASLt from 65 rows
+    assert skinny_gemm_block_m(64, 28672, 4096) == 64  # up to 64 rows whatever the waves
+    # Beyond 64 rows while the programs (N / 64 x rows / 64) fit one wave.
+    assert skinny_gemm_block_m(256, 1024, 3072) == 64  # 64 programs
+    assert skinny_gemm_block_m(300, 1024, 3072) is None  # more than 256 rows
+    assert skinny_gemm_block_m(65, 28672, 4096) is None  # 896 programs
+    one_wave = torch.cuda.get_device_properties().multi_processor_count >= 128
+    assert skinny_gemm_block_m(128, 4096, 14336) == (64 if one_wave else None)  # 128 programs
     assert skinny_gemm_block_m(16, 4100, 4096) is None  # N not a multiple of 64
     assert skinny_gemm_block_m(16, 4096, 4160) is None  # K not a multiple of 128

@@ -179,11 +179,14 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# Where the swapped kernel runs instead of cuBLASLt: batches of up to
-# _SKINNY_MAX_ROWS rows, the weight's N a multiple of _SKINNY_BLOCK_N and K of
-# _SKINNY_BLOCK_K. Beyond 64 rows cuBLASLt is level or faster (H100 and H200,
-# Llama-3.1-8B's and Qwen3-0.6B's shapes; docs/BENCHMARKS.md).
-_SKINNY_MAX_ROWS, _SKINNY_BLOCK_N = 64, 64
+# Where the swapped kernel runs instead of cuBLASLt: the weight's N a multiple
+# of _SKINNY_BLOCK_N and K of _SKINNY_BLOCK_K, and a batch of up to
+# _SKINNY_BLOCK_M_MAX rows (one program's tile), or of up to _SKINNY_MAX_ROWS
+# while its programs (N / 64 x rows / 64 of them) fit in one wave, one program
+# a multiprocessor (8 stages fill its shared memory). A second wave nearly
+# doubles the kernel's time, and cuBLASLt is then faster (H100 sweep,
+# Llama-3.1-8B's and Qwen3-0.6B's shapes, 64 to 256 rows; docs/BENCHMARKS.md).
+_SKINNY_BLOCK_N, _SKINNY_BLOCK_M_MAX, _SKINNY_MAX_ROWS = 64, 64, 256
 # Hopper's FP8 tensor cores add into their accumulator with about 14 bits of
 # mantissa, and Triton leaves the sum there for all of K by default. The
 # kernel moves it into fp32 after every 128 products, as cuBLASLt does, by
@@ -218,19 +221,26 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, rows, k
 
 
 @functools.cache
-def _is_hopper() -> bool:
-    """The kernel's tiles and stages are sized for, and measured on, Hopper's
-    228 KB of shared memory per multiprocessor (sm_90; not ROCm's 9.4)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+def _hopper_multiprocessors() -> int | None:
+    """The multiprocessor count on Hopper (sm_90), else None: the kernel's
+    tiles and stages are sized for, and measured on, Hopper's 228 KB of shared
+    memory per multiprocessor (not ROCm's 9.4)."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    return torch.cuda.get_device_properties().multi_processor_count
 
 
 def skinny_gemm_block_m(rows: int, n: int, k: int) -> int | None:
     """The swapped kernel's batch rows per program (BLOCK_M) for this GEMM, or
-    None where cuBLASLt takes it (more than _SKINNY_MAX_ROWS rows, a shape
-    that does not tile, not Hopper)."""
-    if rows > _SKINNY_MAX_ROWS or n % _SKINNY_BLOCK_N or k % _SKINNY_BLOCK_K or not _is_hopper():
+    None where cuBLASLt takes it (see _SKINNY_MAX_ROWS; a shape that does not
+    tile; not Hopper)."""
+    multiprocessors = _hopper_multiprocessors()
+    if n % _SKINNY_BLOCK_N or k % _SKINNY_BLOCK_K or multiprocessors is None:
         return None
-    return max(16, triton.next_power_of_2(rows))
+    if rows <= _SKINNY_BLOCK_M_MAX:
+        return max(16, triton.next_power_of_2(rows))
+    programs = n // _SKINNY_BLOCK_N * triton.cdiv(rows, _SKINNY_BLOCK_M_MAX)
+    return _SKINNY_BLOCK_M_MAX if rows <= _SKINNY_MAX_ROWS and programs <= multiprocessors else None
 
 
 def scaled_gemm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
