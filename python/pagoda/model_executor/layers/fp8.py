@@ -8,8 +8,8 @@ on the FP8 tensor cores (Hopper's QGMMA; CUDA capability 8.9+) with both
 scale vectors applied in its epilogue, out in the model's dtype, or on
 Hopper for batches of up to 64 rows (up to 256 while they fit one wave) a
 Triton kernel of our own (fp8_triton.scaled_gemm; cuBLASLt's FP8 kernels are
-far from the bandwidth floor there). A weight takes half the bytes of bf16, and the FP8 tensor
-cores' peak rate is twice bf16's (docs/BENCHMARKS.md).
+far from the bandwidth floor there). A weight takes half the bytes of bf16,
+and the FP8 tensor cores' peak rate is twice bf16's (docs/BENCHMARKS.md).
 
 The embedding and the LM head stay in the model's dtype (as in vLLM: the
 logits are the most sensitive part and a small share of the FLOPs).
