@@ -1,8 +1,9 @@
 """The FP8 layer's Triton kernels: the per-token quantization
 (fp8_triton.quantize_tokens) against its definition, fp8.quantize_rows (the
-same scales and the same e4m3 values, bit for bit); the GEMM
-(fp8_triton.scaled_gemm, its own kernel for few rows on Hopper) as close to
-the exact product as torch._scaled_mm.
+same scales and the same e4m3 values, bit for bit), into buffers of
+cuBLASLt's row multiple; the GEMM (fp8_triton.scaled_gemm, its own kernel
+for few rows on Hopper) as close to the exact product as torch._scaled_mm,
+and the pad rows never in its output.
 
 Needs a CUDA GPU: Triton's interpreter (3.9) rounds fp32 to e4m3 wrongly
 (125.87 becomes 64, not 128), so it cannot stand in for one here.
@@ -84,6 +85,28 @@ def test_scaled_gemm_as_accurate_as_scaled_mm(rows, n, k):
     got = scaled_gemm(q, scale, weight, weight_scale, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=2 * max(cublas_error, 1e-6) * largest)
+
+
+@pytest.mark.parametrize("rows", [1, 129, 300])
+def test_quantized_rows_come_in_cublas_height_and_the_pad_never_reaches_the_output(rows):
+    """The quantizer's buffers are a multiple of 128 rows tall; scaled_gemm
+    gives cuBLASLt that height (its output's storage shows it) and returns
+    exactly the unpadded product, whatever the pad holds (NaN here)."""
+    n, k = 6144, 4096  # many programs: cuBLASLt beyond 64 rows
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
+    q, scale = quantize_tokens(x)
+    tall = -(-rows // 128) * 128
+    assert q.untyped_storage().nbytes() == tall * k and scale.untyped_storage().nbytes() == tall * 4
+    torch.as_strided(scale, (tall, 1), (1, 1))[rows:] = float("nan")
+    torch.as_strided(q, (tall, k), (k, 1)).view(torch.uint8)[rows:] = 0x7F  # e4m3's NaN
+    _, _, weight, weight_scale = _operands(1, n, k)
+    got = scaled_gemm(q, scale, weight, weight_scale, torch.bfloat16)
+    want = torch._scaled_mm(q.clone(), weight.t(), scale_a=scale.clone(), scale_b=weight_scale,
+                            out_dtype=torch.bfloat16)
+    assert got.shape == (rows, n) and torch.equal(got, want)
+    if rows > 64:
+        assert got.untyped_storage().nbytes() == tall * n * 2
 
 
 @pytest.mark.skipif(SKIP is None and torch.cuda.get_device_capability() != (9, 0), reason="the kernel runs on Hopper")

@@ -3,14 +3,25 @@
 quantize_tokens computes exactly fp8.quantize_rows: each program takes one
 row, finds its largest magnitude BLOCK elements at a time, stores the row's
 scale (max(amax, MIN_AMAX) times the fp32 reciprocal of FP8_MAX), then
-divides each element by it (correctly rounded, div_rn, as torch divides
-tensors), clamps to +-FP8_MAX and rounds to e4m3. The row's second read comes
-from L1/L2 (a row of a decode or prefill batch is a few to tens of KB).
+multiplies each element by the scale's reciprocal (correctly rounded, div_rn,
+as torch's reciprocal), clamps to +-FP8_MAX and rounds to e4m3. The row's
+second read comes from L1/L2 (a row of a decode or prefill batch is a few to
+tens of KB).
 
 rms_norm_quant and silu_and_mul_quant are the same quantization fused onto
 the op that produces the row (the CUDA kernels' rounding, then
 quantize_rows' steps on the row held in registers): one launch where there
-were two, and the row never goes to memory in the model's dtype.
+were two, and the row never goes to memory in the model's dtype. A program
+holds a whole row, so a batch runs one or two programs a multiprocessor and
+their arithmetic is their time: silu_and_mul_quant takes the exponential and
+the division in the GPU's fast fp32 forms (a few fp32 ulps from expf's and
+IEEE division's), which the rounding of silu to the model's dtype absorbs but
+next to a rounding boundary (H100, 256 rows of Llama-3.1-8B's MLP: 17.2 ->
+6.2 us with the reciprocal; no more values off the CUDA op's than the
+reciprocal alone gives).
+
+The quantized rows go into buffers as tall as cuBLASLt's next multiple of
+_CUBLAS_ROWS (see there), which scaled_gemm hands it whole.
 
 scaled_gemm multiplies the quantized rows by an e4m3 weight with both scale
 vectors applied, as torch._scaled_mm does. For a few rows it runs its own
@@ -30,7 +41,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from pagoda.model_executor.layers.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
@@ -48,7 +58,7 @@ def _store_quantized_row(y, offsets, mask, q_row, scale_ptr, row, FP8_MAX: tl.co
     # quantize_rows of one row held whole in y (fp32, zeros past its end).
     scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX) * (1.0 / FP8_MAX)
     tl.store(scale_ptr + row, scale)
-    q = tl.clamp(tl.div_rn(y, scale), -FP8_MAX, FP8_MAX)
+    q = tl.clamp(y * tl.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_row + offsets, q.to(q_row.dtype.element_ty), mask=mask)
 
 
@@ -65,11 +75,12 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, scale_ptr, cols, x_stride, q_stride,
         amax = tl.maximum(amax, tl.abs(values))
     scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) * (1.0 / FP8_MAX)
     tl.store(scale_ptr + row, scale)
+    inverse = tl.div_rn(1.0, scale)
     for start in range(0, cols, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < cols
         values = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(values, scale), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(values * inverse, -FP8_MAX, FP8_MAX)
         tl.store(q_row + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,8 +110,9 @@ def _rms_norm_quant_kernel(x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, co
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, d, x_stride, q_stride, FP8_MAX: tl.constexpr,
                                MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr):
-    # cuda/activation.cu's rounding: y = round(round(g / (1 + expf(-g))) * u);
-    # then quantize_rows(y).
+    # cuda/activation.cu's rounding, y = round(round(g / (1 + exp(-g))) * u),
+    # with the fast exponential and division (module docstring); then
+    # quantize_rows(y).
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < d
@@ -108,14 +120,41 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, d, x_stride, q_stride, F
     x_row = x_ptr + row * x_stride
     g = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_row + d + offsets, mask=mask, other=0.0).to(tl.float32)
-    silu = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     y = (silu * u).to(dtype).to(tl.float32)
     _store_quantized_row(y, offsets, mask, q_ptr + row * q_stride, scale_ptr, row, FP8_MAX, MIN_AMAX)
 
 
+# cuBLASLt's FP8 GEMM takes up to 1.6x longer for a batch just past a
+# multiple of 128 rows than for the next multiple (its tile's height; H100,
+# Llama-3.1-8B's gate_up_proj: 136 rows 88 us, 256 rows 65 us; 2000 rows of
+# its down_proj 235 us, 2048 rows 192 us; docs/BENCHMARKS.md), and no
+# slower at the multiple anywhere in the sweep. So the quantizers allocate
+# their output that tall and return its first rows; scaled_gemm gives
+# cuBLASLt the whole height and keeps the output's first rows. The rows past
+# the batch are never written: a GEMM's output row depends on its own input
+# row only, so whatever they hold lands in output rows that are dropped.
+_CUBLAS_ROWS = 128
+
+
+def _cublas_rows(rows: int) -> int:
+    return triton.cdiv(rows, _CUBLAS_ROWS) * _CUBLAS_ROWS
+
+
 def _quantized_output(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty((rows, cols), dtype=FP8_DTYPE, device=device),
-            torch.empty((rows, 1), dtype=torch.float32, device=device))
+    tall = _cublas_rows(rows)
+    return (torch.empty((tall, cols), dtype=FP8_DTYPE, device=device)[:rows],
+            torch.empty((tall, 1), dtype=torch.float32, device=device)[:rows])
+
+
+def _with_rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """t (contiguous [r, c]) with its storage's next rows up to `rows` (the
+    height _quantized_output allocated), or None where the storage ends
+    before."""
+    cols = t.shape[1]
+    if not t.is_contiguous() or t.untyped_storage().nbytes() < (t.storage_offset() + rows * cols) * t.element_size():
+        return None
+    return t.as_strided((rows, cols), (cols, 1))
 
 
 def _row_launch(block: int) -> dict:
@@ -253,7 +292,12 @@ def scaled_gemm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weig
     contiguous = q.stride(1) == 1 and weight.stride(1) == 1
     block_m = skinny_gemm_block_m(rows, n, k) if rows and contiguous else None
     if block_m is None:
-        return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype)
+        tall = _cublas_rows(rows)
+        tall_q, tall_scale = _with_rows(q, tall), _with_rows(scale, tall)
+        if tall_q is None or tall_scale is None:
+            tall_q, tall_scale = q, scale
+        out = torch._scaled_mm(tall_q, weight.t(), scale_a=tall_scale, scale_b=weight_scale, out_dtype=out_dtype)
+        return out[:rows]
     out = torch.empty((rows, n), dtype=out_dtype, device=q.device)
     grid = (n // _SKINNY_BLOCK_N, triton.cdiv(rows, block_m))
     _skinny_gemm_kernel[grid](q, weight, scale, weight_scale, out, rows, k, q.stride(0), weight.stride(0),
