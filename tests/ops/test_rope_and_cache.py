@@ -14,11 +14,14 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 8
 
 
-def make_case(num_tokens, num_heads, num_kv_heads, head_size, rot_dim, dtype, device, norms, cache_dtype=None):
-    """q/k/v as strided views of one fused qkv output, caches filled with
-    noise (so that untouched slots are checked too), distinct slots with one
-    padding token (-1) when there are several tokens."""
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, device=device)
+def make_case(num_tokens, num_heads, num_kv_heads, head_size, rot_dim, dtype, device, norms, cache_dtype=None,
+              row_padding=0):
+    """q/k/v as strided views of one fused qkv output (rows row_padding
+    elements longer than the heads), caches filled with noise (so that
+    untouched slots are checked too), distinct slots with one padding token
+    (-1) when there are several tokens."""
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    qkv = torch.randn(num_tokens, width + row_padding, dtype=dtype, device=device)[:, :width]
     query, key, value = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, device=device)[:num_tokens]
     if num_tokens > 2:
@@ -58,10 +61,21 @@ def check(case, cache_tolerance):
 @pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("num_tokens", [0, 1, 17])
 @pytest.mark.parametrize("heads", [(1, 1), (8, 2), (9, 3)])
-@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 128), (80, 32), (6, 2)])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 128), (80, 32), (6, 2), (256, 128)])
 def test_rope_and_cache(device, dtype, is_neox, norms, num_tokens, heads, head_size, rot_dim):
+    """On CUDA the head sizes take every access width (a lane moves 8, 4, 2 or
+    1 elements at a time: 256, 128, 64 and 80, 6)."""
     case = make_case(num_tokens, *heads, head_size, rot_dim, dtype, device, norms)
     check(dict(case, is_neox=is_neox), rotated_tolerance(dtype))
+
+
+@pytest.mark.parametrize("row_padding", [1, 2])
+def test_rows_not_aligned_to_the_access_width(device, row_padding):
+    """Rows 1 or 2 elements longer than their heads: on CUDA the kernel falls
+    back to accesses as narrow as the strides allow (128-element heads take
+    4-wide ones otherwise)."""
+    case = make_case(9, 8, 2, 128, 128, torch.bfloat16, device, True, row_padding=row_padding)
+    check(dict(case, is_neox=True), rotated_tolerance(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -96,10 +110,12 @@ def test_shared_table_in_model_dtype(device):
 @pytest.mark.skipif(not (torch.cuda.is_available() and _native.has_cuda_ops()), reason="needs Pagoda's CUDA ops")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norms", [False, True])
-def test_float8_cache(dtype, norms):
+@pytest.mark.parametrize("head_size", [256, 128, 64, 6])
+def test_float8_cache(dtype, norms, head_size):
     """The rotated key rounded to e4m3 as reshape_and_cache rounds it (the
-    reference's torch rounding; inputs stay far below e4m3's 448)."""
-    case = make_case(17, 16, 8, 128, 128, dtype, "cuda", norms, cache_dtype=torch.float8_e4m3fn)
+    reference's torch rounding; inputs stay far below e4m3's 448); the head
+    sizes store 8, 4, 2 and 1 cache bytes at a time."""
+    case = make_case(17, 16, 8, head_size, head_size, dtype, "cuda", norms, cache_dtype=torch.float8_e4m3fn)
     # One e4m3 step where the kernel's and torch's keys differ by a bf16 ulp.
     check(dict(case, is_neox=True), dict(rtol=0.125, atol=2e-3))
 
