@@ -289,3 +289,28 @@ def test_masked_tokens_never_sampled_with_extreme_values():
     out = run(logits, [SamplingParams(top_k=1)] * 1000)
     assert set(out.sampled_token_ids) == {3}
     assert not math.isnan(run(logits, [SamplingParams(logprobs=2)] * 1000).logprobs[0].logprobs[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("edit", [False, True])
+def test_gpu_sampling_copies_the_logits_only_to_edit_them(edit):
+    """On CUDA the sampling kernel only reads the logits: without an edit
+    (here a logit bias) they are neither copied (the step's largest tensor)
+    nor changed; with one, a float32 copy takes the edit and the input stays."""
+    from pagoda import _native
+
+    if not _native.has_kernel("sample"):
+        pytest.skip("needs Pagoda's CUDA sampling kernel")
+    logits = torch.randn(64, 50_000, device="cuda")
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, logit_bias={7: 100.0} if edit else None)] * 64
+    md = SamplingMetadata.from_requests(params, [[] for _ in params])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = Sampler().sample(logits, md).to_host()
+    extra = torch.cuda.max_memory_allocated() - start
+    copied = extra >= logits.numel() * logits.element_size()
+    assert copied == edit, extra
+    assert torch.equal(logits, before)
+    assert len(out.sampled_token_ids) == 64 and (not edit or set(out.sampled_token_ids) == {7})

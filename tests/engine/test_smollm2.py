@@ -100,7 +100,7 @@ def test_packed_gguf_greedy_equals_dequantized(packed, llm):
 
 FP8_TOKENS = 32
 FP8_NEAR_TIE = 2.0  # nats
-FP8_MAX_DRIFT = 0.5  # nats
+FP8_MAX_DRIFT = 0.7  # nats
 
 
 def test_fp8_greedy_follows_bf16():
@@ -111,12 +111,14 @@ def test_fp8_greedy_follows_bf16():
     within 2^-4 of itself, so each of SmolLM2's linear layers is off by about
     3.7% (relative L2, tests/models/test_fp8.py) where bf16 is off by 0.3%;
     through 30 layers that moved the prompts' logprobs by 0.32-0.39 nats on
-    average here (bf16 against fp32: 0.05-0.07), and single prompt positions
-    by up to 1.6 nats; so where the greedy paths part, FP8's choice may lead
-    the reference's by as much (0.63 nats at most in one run on this
-    machine's threads, over 1 in a CI run under load), and FP8_NEAR_TIE
-    allows 2. A broken path (a wrong scale, a transposed weight) parts by
-    many nats at once and drifts by more than FP8_MAX_DRIFT. Tighter bounds
+    average on one machine and 0.41-0.50 on another (an AMD EPYC with
+    AVX512-BF16, whose bf16 reference rounds differently; bf16 against fp32:
+    0.05-0.07), and single prompt positions by up to 1.6 nats; so where the
+    greedy paths part, FP8's choice may lead the reference's by as much
+    (0.63 nats at most in one run on this machine's threads, over 1 in a CI
+    run under load), and FP8_NEAR_TIE allows 2. A broken path parts by many
+    nats at once, or drifts by more than FP8_MAX_DRIFT: every weight scale
+    off by just 10% drifted 0.88-1.11 nats on the EPYC. Tighter bounds
     would only hold on larger models, whose wider layers average more of the
     rounding out. The drift must also be real (above bf16's), or the weights
     were not quantized."""
