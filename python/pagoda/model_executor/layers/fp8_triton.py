@@ -128,13 +128,14 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, d, x_stride, q_stride, F
 # cuBLASLt's FP8 GEMM takes up to 1.6x longer for a batch just past a
 # multiple of 128 rows than for the next multiple (its tile's height; H100,
 # Llama-3.1-8B's gate_up_proj: 136 rows 88 us, 256 rows 65 us; 2000 rows of
-# its down_proj 235 us, 2048 rows 192 us; docs/BENCHMARKS.md); the multiple
-# was at most 6% slower than the rows below it in the sweep (8 layers, 64 to
-# 8192 rows) but at one point. So the quantizers allocate
-# their output that tall and return its first rows; scaled_gemm gives
-# cuBLASLt the whole height and keeps the output's first rows. The rows past
-# the batch are never written: a GEMM's output row depends on its own input
-# row only, so whatever they hold lands in output rows that are dropped.
+# its down_proj 235 us, 2048 rows 192 us; docs/BENCHMARKS.md). In the sweep
+# (8 layers, 64 to 8192 rows) the multiple was at most 6% slower than the
+# rows below it, except Qwen3-0.6B's gate_up_proj at 4000 rows (1.19x). So
+# the quantizers allocate their output that tall and return its first rows;
+# scaled_gemm gives cuBLASLt the whole height and keeps the output's first
+# rows. The rows past the batch are never written: a GEMM's output row
+# depends on its own input row only, so whatever they hold lands in output
+# rows that are dropped.
 _CUBLAS_ROWS = 128
 
 
