@@ -13,7 +13,10 @@ call per weight copy), as decode steps run, so the host's launch time is
 left out. Weights rotate among enough copies to
 exceed the L2 cache, so decode sizes read them from HBM as a model does.
 
-  PYTHONPATH=python python tools/benchmarks/bench_fp8_linear.py [--output-json out.json]
+  PYTHONPATH=python python tools/benchmarks/bench_fp8_linear.py [--rows 64:1025:8] [--output-json out.json]
+
+--rows takes a comma list and start:stop:step ranges (cuBLASLt's time
+against rows is a sawtooth on the multiples of 128; docs/BENCHMARKS.md).
 """
 
 import argparse
@@ -46,8 +49,18 @@ def graph_ms(calls) -> float:
     return median_ms(graph.replay) / len(calls)
 
 
+def row_counts(spec: str) -> list[int]:
+    """"1,16,64:257:64" -> [1, 16, 64, 128, 192, 256]."""
+    rows = []
+    for part in spec.split(","):
+        bounds = [int(v) for v in part.split(":")]
+        rows += list(range(*bounds)) if len(bounds) > 1 else bounds
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=row_counts, default=ROWS, help="batch sizes (default: %(default)s)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -59,7 +72,7 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         fp8 = [quantize_rows(w) for w in weights]
         fp8 = [(q, s.view(1, -1).contiguous()) for q, s in fp8]
-        for rows in ROWS:
+        for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             bf16_ms = graph_ms([lambda w=w: F.linear(x, w) for w in weights])
             fp8_ms = graph_ms([lambda w=w: fp8_linear(x, *w) for w in fp8])
