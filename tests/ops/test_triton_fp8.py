@@ -2,8 +2,8 @@
 (fp8_triton.quantize_tokens) against its definition, fp8.quantize_rows (the
 same scales and the same e4m3 values, bit for bit), into buffers of
 cuBLASLt's row multiple; the GEMM (fp8_triton.scaled_gemm, its own kernel
-for few rows on Hopper) as close to the exact product as torch._scaled_mm,
-and the pad rows never in its output.
+for few rows on Hopper) against the exact product, its summing error a small
+part of the quantization's, and the pad rows never in its output.
 
 Needs a CUDA GPU: Triton's interpreter (3.9) rounds fp32 to e4m3 wrongly
 (125.87 becomes 64, not 128), so it cannot stand in for one here.
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 DEVICE = "cuda"
 if SKIP is None:
     from pagoda.model_executor.layers.fp8 import quantize_rows
-    from pagoda.model_executor.layers.fp8_triton import quantize_tokens, scaled_gemm, skinny_gemm_block_m
+    from pagoda.model_executor.layers.fp8_triton import (cublas_scaled_mm, quantize_tokens, scaled_gemm,
+                                                          skinny_gemm_block_m)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -55,11 +56,13 @@ def test_quantize_tokens_of_a_strided_view_and_no_rows():
 
 
 def _operands(rows, n, k):
+    """(x, weight) in fp32 and (q, scale, weight_q, weight_scale) quantized."""
     torch.manual_seed(rows * 7 + n + k)
     x = torch.randn(rows, k, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE).unsqueeze(1)
+    weight = torch.randn(n, k, device=DEVICE) * 0.02
     q, scale = quantize_rows(x)
-    weight, weight_scale = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.02)
-    return q, scale, weight, weight_scale.view(1, -1).contiguous()
+    weight_q, weight_scale = quantize_rows(weight)
+    return (x, weight), (q, scale, weight_q, weight_scale.view(1, -1).contiguous())
 
 
 # Rows on both sides of each tile height and of the cuBLASLt boundaries (64 rows;
@@ -67,24 +70,30 @@ def _operands(rows, n, k):
 # and odd sizes (K = 128: one step of K).
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 100, 128, 129, 200, 256, 300])
 @pytest.mark.parametrize("n, k", [(64, 128), (1024, 3072), (4096, 1024), (192, 384), (6144, 4096)])
-def test_scaled_gemm_as_accurate_as_scaled_mm(rows, n, k):
-    """Both against the exact product of the same e4m3 operands (fp64): the
-    tensor cores' FP8 sums are not exact, so the kernel must be as close as
-    cuBLASLt, which moves them to fp32 every 128 products, as the kernel does
-    (Triton's default keeps them in the tensor core's narrower accumulator for
-    all of K: 10-100x further; a promotion every 256 products: up to 2.4x)."""
-    q, scale, weight, weight_scale = _operands(rows, n, k)
-    exact = (q.double() * scale.double()) @ (weight.double() * weight_scale.double().t()).t()
-    cublas = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=torch.float32)
-    got = scaled_gemm(q, scale, weight, weight_scale, torch.float32)
+def test_scaled_gemm_sums_far_closer_than_the_quantization(rows, n, k):
+    """Against the exact product of the same e4m3 operands (fp64). Both paths
+    sum in the FP8 tensor cores' accumulator (about 14 mantissa bits) for all
+    of K, as vLLM's FP8 kernels do (cublas_scaled_mm says why). Each output
+    stays within 2^-9 of its products' absolute sum (tests/models/test_fp8.py's
+    bound; a wrong scale, row or column is off by the order of the product),
+    and the sum's error in each row (relative L2) is at most a quarter of what
+    rounding the operands to e4m3 cost that row, so the whole error grows by
+    at most 3% (H100: 1e-3 against about 4% at K = 4096)."""
+    (x, weight), (q, scale, weight_q, weight_scale) = _operands(rows, n, k)
+    a, w = q.double() * scale.double(), weight_q.double() * weight_scale.double().t()
+    exact = a @ w.t()
+    bound = 2**-9 * (a.abs() @ w.abs().t())
+    got = scaled_gemm(q, scale, weight_q, weight_scale, torch.float32)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
-    largest = exact.abs().max().item()
-    cublas_error = (cublas.double() - exact).abs().max().item() / largest
-    error = (got.double() - exact).abs().max().item() / largest
-    assert error <= max(2 * cublas_error, 1e-6), (error, cublas_error)
-    got = scaled_gemm(q, scale, weight, weight_scale, torch.bfloat16)
+    error = (got.double() - exact).abs()
+    assert torch.all(error <= bound), (error - bound).max()
+    summing = error.norm(dim=1) / exact.norm(dim=1)
+    unquantized = x.double() @ weight.double().t()
+    quantizing = (exact - unquantized).norm(dim=1) / unquantized.norm(dim=1)
+    assert torch.all(summing <= quantizing / 4), (summing / quantizing).max()
+    got = scaled_gemm(q, scale, weight_q, weight_scale, torch.bfloat16)  # one more rounding, to bf16
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=2 * max(cublas_error, 1e-6) * largest)
+    assert torch.all((got.double() - exact).abs() <= 2**-8 * exact.abs() + bound)
 
 
 @pytest.mark.parametrize("rows", [1, 129, 300])
@@ -100,10 +109,9 @@ def test_quantized_rows_come_in_cublas_height_and_the_pad_never_reaches_the_outp
     assert q.untyped_storage().nbytes() == tall * k and scale.untyped_storage().nbytes() == tall * 4
     torch.as_strided(scale, (tall, 1), (1, 1))[rows:] = float("nan")
     torch.as_strided(q, (tall, k), (k, 1)).view(torch.uint8)[rows:] = 0x7F  # e4m3's NaN
-    _, _, weight, weight_scale = _operands(1, n, k)
+    _, (_, _, weight, weight_scale) = _operands(1, n, k)
     got = scaled_gemm(q, scale, weight, weight_scale, torch.bfloat16)
-    want = torch._scaled_mm(q.clone(), weight.t(), scale_a=scale.clone(), scale_b=weight_scale,
-                            out_dtype=torch.bfloat16)
+    want = cublas_scaled_mm(q.clone(), scale.clone(), weight, weight_scale, torch.bfloat16)
     assert got.shape == (rows, n) and torch.equal(got, want)
     if rows > 64:
         assert got.untyped_storage().nbytes() == tall * n * 2

@@ -7,11 +7,12 @@ For each (layer, rows): median time per call of the bf16 GEMM (F.linear),
 of the FP8 layer as the model runs it (per-token activation quantization +
 fp8_triton.scaled_gemm: cuBLASLt's torch._scaled_mm with row-wise scales, or
 the Triton kernel for few rows), of torch._scaled_mm alone on the same
-quantized rows, and of the quantization alone; TFLOP/s of each GEMM.
-Calls are timed as CUDA-graph replays (CUDA events around a graph of one
-call per weight copy), as decode steps run, so the host's launch time is
-left out. Weights rotate among enough copies to
-exceed the L2 cache, so decode sizes read them from HBM as a model does.
+quantized rows (as the layer calls it, fp8_triton.cublas_scaled_mm), and of
+the quantization alone; TFLOP/s of each GEMM. Calls are timed as CUDA-graph
+replays (CUDA events around a graph of one call per weight copy), as decode
+steps run, so the host's launch time is left out. Weights rotate among
+enough copies to exceed the L2 cache, so decode sizes read them from HBM as
+a model does.
 
   PYTHONPATH=python python tools/benchmarks/bench_fp8_linear.py [--rows 64:1025:8] [--output-json out.json]
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from bench_ops import median_ms
 
 from pagoda.model_executor.layers.fp8 import fp8_linear, quantize_rows, quantize_tokens
+from pagoda.model_executor.layers.fp8_triton import cublas_scaled_mm
 
 # (model, name, N, K)
 LAYERS = [("Llama-3.1-8B", "qkv_proj", 6144, 4096), ("Llama-3.1-8B", "o_proj", 4096, 4096),
@@ -77,8 +79,7 @@ def main() -> None:
             bf16_ms = graph_ms([lambda w=w: F.linear(x, w) for w in weights])
             fp8_ms = graph_ms([lambda w=w: fp8_linear(x, *w) for w in fp8])
             q, scale = quantize_tokens(x)
-            cublas_ms = graph_ms([lambda w=w: torch._scaled_mm(q, w[0].t(), scale_a=scale, scale_b=w[1],
-                                                                out_dtype=x.dtype) for w in fp8])
+            cublas_ms = graph_ms([lambda w=w: cublas_scaled_mm(q, scale, *w, x.dtype) for w in fp8])
             quant_ms = graph_ms([lambda: quantize_tokens(x)] * copies)
             flops = 2 * rows * n * k
             row = dict(model=model, layer=name, n=n, k=k, rows=rows, bf16_ms=bf16_ms, fp8_ms=fp8_ms,

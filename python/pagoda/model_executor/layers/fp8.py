@@ -17,8 +17,11 @@ logits are the most sensitive part and a small share of the FLOPs).
 Error: e4m3 keeps 3 mantissa bits, so a value rounds to within 2^-4 of
 itself relative (half a unit in the last place); below e4m3's smallest
 normal (2^-6 times the scale) the absolute error is at most 2^-10 times the
-scale. tests/models/test_fp8.py holds the kernels to that and the models to
-greedy agreement with bf16.
+scale. On the GPU the products are summed in the FP8 tensor cores' own
+accumulator (fast accumulation, as vLLM's FP8 kernels on Hopper), which adds
+a few percent of that rounding's error (fp8_triton.cublas_scaled_mm).
+tests/models/test_fp8.py holds the kernels to that and the models to greedy
+agreement with bf16.
 """
 
 from __future__ import annotations
