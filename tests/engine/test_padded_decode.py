@@ -3,7 +3,8 @@ runner's graphs replay on -- run eagerly on the CPU: the same greedy tokens as
 unpadded steps and as Hugging Face, while the batch shrinks as requests finish
 (so it pads to several sizes), with sampled logprobs unchanged -- also with
 async scheduling, whose decode inputs are filled from the previous step's
-samples into the padded buffers."""
+samples into the padded buffers. The LM head pads its rows to the same sizes,
+prefill steps' too."""
 
 import pytest
 from checkpoints import hf_greedy
@@ -20,8 +21,8 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprob
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_padded_decode_equals_unpadded(family, async_scheduling, make_checkpoint):
     model, folder = make_checkpoint(family)
-    plain = LLM(folder, dtype="float32", kv_cache_space=0.05)
-    padded = LLM(folder, dtype="float32", kv_cache_space=0.05, async_scheduling=async_scheduling)
+    plain = LLM(folder, dtype="float32", device="cpu", kv_cache_space=0.05)
+    padded = LLM(folder, dtype="float32", device="cpu", kv_cache_space=0.05, async_scheduling=async_scheduling)
     runner = padded.llm_engine.runner
     assert runner.cudagraph_batch_sizes == [] and runner.graph_runner is None  # the CPU never pads by itself
     runner.cudagraph_batch_sizes = cudagraph_batch_sizes(8)
@@ -35,9 +36,18 @@ def test_padded_decode_equals_unpadded(family, async_scheduling, make_checkpoint
         return inputs
 
     runner.input_buffers.prepare = recording
+    compute_logits, lm_head_rows = runner.model.compute_logits, []
+
+    def recording_logits(hidden):
+        lm_head_rows.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    runner.model.compute_logits = recording_logits
     want = plain.generate(PROMPTS, PARAMS, use_tqdm=False)
     got = padded.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert {size for _, size in padded_sizes} == {8, 4, 2, 1}
+    # The LM head runs at graph sizes only, the first step's 7 prompts too.
+    assert set(lm_head_rows) == {8, 4, 2, 1} and lm_head_rows[0] == 8
     assert any(n < size for n, size in padded_sizes), "no step had padding rows"
     for prompt, params, w, g in zip(PROMPTS, PARAMS, want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(model, prompt, params.max_tokens)

@@ -139,6 +139,11 @@ class GPUModelRunner(ModelRunner):
         with self.startup_phase("CUDA graphs") as details:
             graph_runner = CUDAGraphRunner(self.model, self.input_buffers)
             graph_runner.capture(sizes, token_sizes)
+            # The LM head at each size sampling_logits pads to: every GEMM
+            # kernel it will use chosen and loaded now, not inside a step.
+            hidden = graph_runner.hidden_states
+            for size in sizes:
+                self.model.compute_logits(hidden.new_zeros(size, hidden.shape[-1]))
             details.append(
                 f"{len(sizes)} decode batch sizes ({', '.join(map(str, sizes))}), piecewise for steps of up to "
                 f"{max_tokens} tokens ({len(token_sizes)} sizes), "
