@@ -291,8 +291,8 @@ def cublas_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
     accumulation, as vLLM's CUTLASS FP8 kernels for Hopper take it: the
     tensor cores keep the sum in their own accumulator (about 14 mantissa
     bits) for all of K, where the default moves it to fp32 every 128
-    products. H100, Llama-3.1-8B's GEMMs at 256 rows 2-14% faster, end to end
-    +3.6%; the sum's error (1e-3 of the output, relative L2, at K = 4096) is
+    products. H100, Llama-3.1-8B's GEMMs at 256 rows 1-14% faster, end to end
+    +3.5%; the sum's error (1e-3 of the output, relative L2, at K = 4096) is
     a few percent of what rounding the operands to e4m3 costs (about 4%;
     tests/ops/test_triton_fp8.py bounds it at a quarter)."""
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=out_dtype,
