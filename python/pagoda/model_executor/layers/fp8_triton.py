@@ -233,8 +233,9 @@ _SKINNY_BLOCK_N, _SKINNY_BLOCK_M_MAX, _SKINNY_MAX_ROWS = 64, 64, 256
 # or 12 stages, are within 5% of it at 1-128 rows (H100). The dot leaves the
 # sum in the tensor cores' accumulator for all of K (Triton's default on
 # Hopper), as cublas_scaled_mm does, so both paths give the same bits on the
-# same rows (a promotion to fp32 every 128 products made the kernel 5-10%
-# slower, 2-10% of the layer; cublas_scaled_mm says why the error is small).
+# same rows (a promotion to fp32 every 128 products made the layer, its
+# quantization included, 2-10% slower at 1-128 rows; cublas_scaled_mm says
+# why the error is small).
 _SKINNY_BLOCK_K, _SKINNY_STAGES = 128, 8
 
 
