@@ -122,11 +122,15 @@ def test_few_rows_take_the_triton_kernel_on_hopper():
     assert skinny_gemm_block_m(1, 4096, 14336) == 16
     assert skinny_gemm_block_m(33, 6144, 4096) == 64
     assert skinny_gemm_block_m(64, 28672, 4096) == 64  # up to 64 rows whatever the waves
-    # Beyond 64 rows while the programs (N / 64 x rows / 64) fit one wave.
+    # Beyond 64 rows while the programs (N / 64 x rows / BLOCK_M) fit one
+    # wave, BLOCK_M 64 where they do, else 128.
     assert skinny_gemm_block_m(256, 1024, 3072) == 64  # 64 programs
     assert skinny_gemm_block_m(300, 1024, 3072) is None  # more than 256 rows
-    assert skinny_gemm_block_m(65, 28672, 4096) is None  # 896 programs
+    assert skinny_gemm_block_m(65, 28672, 4096) is None  # 448 programs of 128 rows
+    assert skinny_gemm_block_m(100, 6144, 4096) == 128  # 192 programs of 64 rows, 96 of 128
+    assert skinny_gemm_block_m(200, 6144, 4096) is None  # 192 programs of 128 rows
     one_wave = torch.cuda.get_device_properties().multi_processor_count >= 128
     assert skinny_gemm_block_m(128, 4096, 14336) == (64 if one_wave else None)  # 128 programs
+    assert skinny_gemm_block_m(129, 4096, 14336) == (128 if one_wave else None)  # 128 programs of 128 rows
     assert skinny_gemm_block_m(16, 4100, 4096) is None  # N not a multiple of 64
     assert skinny_gemm_block_m(16, 4096, 4160) is None  # K not a multiple of 128

@@ -30,7 +30,7 @@ to a half of the bandwidth floor there (Llama-3.1-8B's down_proj at 16 rows
 on the H200: 38 us where its 59 MB need 14). The kernel swaps the operands,
 as vLLM's CUTLASS kernels do for small batches: the weight's rows are the
 tensor cores' M side (64 a program, many programs), the batch's rows their N
-side (16 to 64), and each program streams its weight rows once through a
+side (16 to 128), and each program streams its weight rows once through a
 deep pipeline (tools/benchmarks/bench_fp8_linear.py). Both paths sum in the
 tensor cores' own accumulator (fast accumulation; cublas_scaled_mm).
 """
@@ -224,19 +224,23 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Where the swapped kernel runs instead of cuBLASLt: the weight's N a multiple
 # of _SKINNY_BLOCK_N and K of _SKINNY_BLOCK_K, and a batch of up to
 # _SKINNY_BLOCK_M_MAX rows (one program's tile), or of up to _SKINNY_MAX_ROWS
-# while its programs (N / 64 x rows / 64 of them) fit in one wave, one program
-# a multiprocessor (8 stages fill its shared memory). A second wave nearly
-# doubles the kernel's time, and cuBLASLt is then faster (H100 sweep,
-# Llama-3.1-8B's and Qwen3-0.6B's shapes, 64 to 256 rows; docs/BENCHMARKS.md).
+# while its programs (N / 64 x rows / BLOCK_M of them, BLOCK_M 64 or else 128)
+# fit in one wave, one program a multiprocessor (the stages fill its shared
+# memory). A second wave nearly doubles the kernel's time, and cuBLASLt is
+# then faster. Within one wave the kernel beats cuBLASLt, whose tiles leave
+# half the multiprocessors idle on N = 4096 (H200, Llama-3.1-8B's down_proj at
+# 144-256 rows: 31-33 us against 38; docs/BENCHMARKS.md).
 _SKINNY_BLOCK_N, _SKINNY_BLOCK_M_MAX, _SKINNY_MAX_ROWS = 64, 64, 256
+_SKINNY_WIDE_BLOCK_M = 128
 # K is taken 128 deep a dot with 8 stages: 256 or 512 deep with 3-6 stages,
-# or 12 stages, are within 5% of it at 1-128 rows (H100). The dot leaves the
-# sum in the tensor cores' accumulator for all of K (Triton's default on
-# Hopper), as cublas_scaled_mm does, so both paths give the same bits on the
-# same rows (a promotion to fp32 every 128 products made the layer, its
-# quantization included, 2-10% slower at 1-128 rows; cublas_scaled_mm says
-# why the error is small).
-_SKINNY_BLOCK_K, _SKINNY_STAGES = 128, 8
+# or 12 stages, are within 5% of it at 1-128 rows (H100). A 128-row tile's
+# stages are 1.5x as large, so it takes 6 (H200: 8 within 5% of it, 4 up to
+# 21% slower). The dot leaves the sum in the tensor cores' accumulator for all of K
+# (Triton's default on Hopper), as cublas_scaled_mm does, so both paths give
+# the same bits on the same rows (a promotion to fp32 every 128 products made
+# the layer, its quantization included, 2-10% slower at 1-128 rows;
+# cublas_scaled_mm says why the error is small).
+_SKINNY_BLOCK_K, _SKINNY_STAGES, _SKINNY_WIDE_STAGES = 128, 8, 6
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -282,8 +286,12 @@ def skinny_gemm_block_m(rows: int, n: int, k: int) -> int | None:
         return None
     if rows <= _SKINNY_BLOCK_M_MAX:
         return max(16, triton.next_power_of_2(rows))
-    programs = n // _SKINNY_BLOCK_N * triton.cdiv(rows, _SKINNY_BLOCK_M_MAX)
-    return _SKINNY_BLOCK_M_MAX if rows <= _SKINNY_MAX_ROWS and programs <= multiprocessors else None
+    if rows > _SKINNY_MAX_ROWS:
+        return None
+    for block_m in (_SKINNY_BLOCK_M_MAX, _SKINNY_WIDE_BLOCK_M):
+        if n // _SKINNY_BLOCK_N * triton.cdiv(rows, block_m) <= multiprocessors:
+            return block_m
+    return None
 
 
 def cublas_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -319,5 +327,6 @@ def scaled_gemm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weig
     grid = (n // _SKINNY_BLOCK_N, triton.cdiv(rows, block_m))
     _skinny_gemm_kernel[grid](q, weight, scale, weight_scale, out, rows, k, q.stride(0), weight.stride(0),
                               out.stride(0), BLOCK_N=_SKINNY_BLOCK_N, BLOCK_M=block_m, BLOCK_K=_SKINNY_BLOCK_K,
-                              num_stages=_SKINNY_STAGES, num_warps=4)
+                              num_stages=_SKINNY_STAGES if block_m <= _SKINNY_BLOCK_M_MAX else _SKINNY_WIDE_STAGES,
+                              num_warps=4)
     return out
