@@ -4,6 +4,9 @@ bench throughput` (same engine and dataset flags) stepped by hand, with
 torch.profiler (CPU and CUDA activity) around --steps steps after the first
 --skip, at each --skip given. Per window it prints the wall time per step,
 the share of it the GPU was busy (the union of its kernels and copies), the
+same share from the window's first GPU event to its last (the window's edges,
+the first step's host preparation and the last one's output handling, overlap
+with the neighbouring steps in a run, not in a window), the
 GPU's time by kernel, and the host's time by op (CUDA runtime calls
 included: a long cudaLaunchKernel or a synchronize says who waits for whom).
 Whether a step is bound by the GPU or by the host reads off directly.
@@ -39,9 +42,12 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
 
 def report(prof, steps: int, wall: float, rows: list[int], top: int) -> None:
     gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in gpu])
+    intervals = [(e.time_range.start, e.time_range.end) for e in gpu]
+    busy = busy_seconds(intervals)
+    span = (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e6 if gpu else 0.0
     print(f"  {steps} steps, {sum(rows) / steps:.0f} rows per step on average: {wall / steps * 1e3:.2f} ms per step, "
-          f"GPU busy {busy / steps * 1e3:.2f} ms of it ({busy / wall:.0%})")
+          f"GPU busy {busy / steps * 1e3:.2f} ms of it ({busy / wall:.0%}; "
+          f"{busy / span if span else 0:.0%} from its first kernel to its last)")
     averages = prof.key_averages()
     print("  GPU time per step by kernel:")
     by_gpu = sorted((a for a in averages if a.self_device_time_total > 0), key=lambda a: -a.self_device_time_total)
