@@ -292,19 +292,22 @@ def test_masked_tokens_never_sampled_with_extreme_values():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("edit", [False, True])
-def test_gpu_sampling_copies_the_logits_only_to_edit_them(edit):
-    """On CUDA the sampling kernel only reads the logits: without an edit
-    (here a logit bias) they are neither copied (the step's largest tensor)
-    nor changed; with one, a float32 copy takes the edit and the input stays."""
+def test_gpu_sampling_copies_the_logits_only_to_edit_them(edit, dtype):
+    """On CUDA the sampling kernel only reads the logits, in the model's
+    dtype as the LM head gives them: without an edit (here a logit bias) they
+    are neither copied nor widened (the step's largest tensor) nor changed,
+    and the tokens are those of the widened logits; with one, a float32 copy
+    takes the edit and the input stays."""
     from pagoda import _native
 
     if not _native.has_kernel("sample"):
         pytest.skip("needs Pagoda's CUDA sampling kernel")
-    logits = torch.randn(64, 50_000, device="cuda")
+    logits = torch.randn(64, 50_000, device="cuda").to(dtype)
     before = logits.clone()
     params = [SamplingParams(temperature=0.8, top_p=0.9, logit_bias={7: 100.0} if edit else None)] * 64
-    md = SamplingMetadata.from_requests(params, [[] for _ in params])
+    md = SamplingMetadata.from_requests(params, [[] for _ in params], generator=make_generator(9))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
@@ -314,3 +317,6 @@ def test_gpu_sampling_copies_the_logits_only_to_edit_them(edit):
     assert copied == edit, extra
     assert torch.equal(logits, before)
     assert len(out.sampled_token_ids) == 64 and (not edit or set(out.sampled_token_ids) == {7})
+    md = SamplingMetadata.from_requests(params, [[] for _ in params], generator=make_generator(9))
+    widened = Sampler().sample(logits.float(), md)
+    assert out.sampled_token_ids == widened.to_host().sampled_token_ids

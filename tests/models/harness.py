@@ -19,7 +19,7 @@ from pagoda.model_executor.layers.attention import attention_layers, bind_kv_cac
 
 class PagedRunner:
     def __init__(self, model, dtype: torch.dtype, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.dtype = model, block_size, dtype
         caches = []
         for layer in attention_layers(model):
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_size)
@@ -70,7 +70,8 @@ class PagedRunner:
         with torch.inference_mode(), set_forward_context(metadata):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
             logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32
+        assert logits.dtype == self.dtype  # the model's: the sampler widens them
+        logits = logits.float()
         return {seq: logits[starts[i] : starts[i + 1]] for i, seq in enumerate(seqs)}
 
 

@@ -80,13 +80,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 [N, vocab]: the matmul runs in the model's dtype (as in
-        Hugging Face), the sampler gets fp32."""
+        """[N, vocab] as the matmul gives them, in the model's dtype (as in
+        Hugging Face). The sampler widens them to float32 only where it
+        computes on them (a widened copy of 256 rows of a 128k vocabulary is
+        a 131 MB pass: 0.1 ms of an H200 decode step)."""
         logits = dense(hidden_states, self.weight)
         if self.tp_size == 1:
-            return logits.float()
+            return logits
         logits = tensor_model_parallel_all_gather(logits)[..., : self.num_embeddings]
-        return logits.float().contiguous()  # rows of exactly vocab_size (one copy, if any)
+        return logits.contiguous()  # rows of exactly vocab_size (one copy, if any)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
