@@ -235,11 +235,11 @@ _SKINNY_WIDE_BLOCK_M = 128
 # K is taken 128 deep a dot with 8 stages: 256 or 512 deep with 3-6 stages,
 # or 12 stages, are within 5% of it at 1-128 rows (H100). A 128-row tile's
 # stages are 1.5x as large, so it takes 6 (H200: 8 within 5% of it, 4 up to
-# 21% slower). The dot leaves the sum in the tensor cores' accumulator for all of K
-# (Triton's default on Hopper), as cublas_scaled_mm does, so both paths give
-# the same bits on the same rows (a promotion to fp32 every 128 products made
-# the layer, its quantization included, 2-10% slower at 1-128 rows;
-# cublas_scaled_mm says why the error is small).
+# 21% slower). The dot leaves the sum in the tensor cores' accumulator for
+# all of K (Triton's default on Hopper), as cublas_scaled_mm does, so both
+# paths give the same bits on the same rows (a promotion to fp32 every 128
+# products made the layer, its quantization included, 2-10% slower at 1-128
+# rows; cublas_scaled_mm says why the error is small).
 _SKINNY_BLOCK_K, _SKINNY_STAGES, _SKINNY_WIDE_STAGES = 128, 8, 6
 
 

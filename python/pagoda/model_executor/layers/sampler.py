@@ -264,14 +264,14 @@ def race_keys(md: SamplingMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return seeds, offsets
 
 
+_GPU_SAMPLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _samples_on_gpu(logits: torch.Tensor) -> bool:
     """Whether _sample takes ops.sample, which reads the logits without
-    changing them (on CUDA, in any float dtype: it widens each value to
+    changing them (on CUDA, in float32, bf16 or fp16: it widens each value to
     float32 as it reads it)."""
     return logits.is_cuda and logits.dtype in _GPU_SAMPLE_DTYPES and _native.has_kernel("sample")
-
-
-_GPU_SAMPLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _sample_on_gpu(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
