@@ -172,8 +172,8 @@ class ModelRunner(abc.ABC):
         previous_sampled: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, tuple[int, torch.Tensor]]]:
         """Runs one step (block_tables: each scheduled request's whole block
-        table, a row each, zero-padded). Returns float32 logits of the requests that sample
-        this step (in the order they appear in `scheduled`), and for each
+        table, a row each, zero-padded). Returns the logits (in the model's dtype) of the
+        requests that sample this step (in the order they appear in `scheduled`), and for each
         request in `prompt_logprob_ids` that computed prompt tokens this step,
         (first position, logits at its prompt positions that predict a prompt token).
         Both stay on the runner's device; nothing here waits for the GPU.
