@@ -258,9 +258,9 @@ class ModelConfig:
             from pagoda.transformers_utils.gguf_config import load_gguf_config
 
             return load_gguf_config(self.folder / self.gguf_file)
-        from transformers import AutoConfig
+        from pagoda.transformers_utils.hf_config import load_hf_config
 
-        return AutoConfig.from_pretrained(self.folder)
+        return load_hf_config(self.folder)
 
     def _resolve_dtype(self) -> torch.dtype:
         import torch

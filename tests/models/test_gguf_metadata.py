@@ -11,8 +11,6 @@ import importlib.util
 import lzma
 import json
 import os
-import subprocess
-import sys
 import tracemalloc
 
 import gguf
@@ -21,19 +19,17 @@ import pytest
 import torch
 import transformers
 from checkpoints import QWEN3_TOKENIZER
+from config_parity import assert_same_config, imported_modules
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from pagoda.benchmarks.datasets import special_token_ids
 from pagoda.config import ModelConfig
-from pagoda.distributed.utils import verify_tensor_parallel
 from pagoda.engine.processor import load_tokenizer
-from pagoda.model_executor.layers.rotary_embedding import rope_parameters_from_config
-from pagoda.model_executor.model_loader import get_model
-from pagoda.transformers_utils.gguf_config import GGUFModelConfig, load_gguf_config
+from pagoda.transformers_utils.gguf_config import load_gguf_config
 from pagoda.model_executor.model_loader.gguf_loader import gguf_weights_iterator
 from pagoda.transformers_utils.gguf_reader import read_gguf_header
 from pagoda.transformers_utils.gguf_tokenizer import SPLIT_PATTERNS, byte_spelling, load_gguf_tokenizer, tokenizer_class
+from pagoda.transformers_utils.hf_config import HFConfig
 
 CORPUS = [
     "Hello world! What is the capital of France?",
@@ -204,45 +200,14 @@ def test_reader_rejects_bad_files(tmp_path):
         read_gguf_header(str(old))
 
 
-class Recorder:
-    """A config whose attribute reads are written down (the attributes the
-    engine reads, whatever code reads them)."""
-
-    def __init__(self, config):
-        self._config, self.names = config, set()
-
-    def __getattr__(self, name):
-        self.names.add(name)
-        return getattr(self._config, name)
-
-
-MISSING = object()
-
-
-def assert_same_config(path, theirs):
-    """Our config of the GGUF at `path` against transformers' (`theirs`): every attribute Pagoda reads building the engine and the model (set
-    or not, by any code) is equal in both, every attribute ours holds equals
-    transformers', and to_transformers() is transformers' config itself."""
+def assert_same_gguf_config(path, theirs):
+    """Our config of the GGUF at `path` against transformers' (`theirs`),
+    the engine's config of the file is ours, and so is the tokenizer class."""
     ours = load_gguf_config(path)
-    recorder = Recorder(ours)
-    get_model("unused", recorder, torch.float32, load_format="dummy")
-    verify_tensor_parallel(recorder, 1)
-    special_token_ids(recorder)
-    assert isinstance(ModelConfig(model=path, device="cpu").hf_config, GGUFModelConfig)
-    read = recorder.names | set(ENGINE_FIELDS)
-    assert {name: getattr(ours, name, MISSING) for name in read} == {name: getattr(theirs, name, MISSING)
-                                                                      for name in read}
-    assert rope_parameters_from_config(ours) == rope_parameters_from_config(theirs)
-    assert ours.to_dict() == {name: getattr(theirs, name) for name in ours.to_dict()}
-    converted = ours.to_transformers()
-    assert type(converted) is type(theirs) and vars(converted) == vars(theirs)
+    assert_same_config(ours, theirs)
+    assert isinstance(ModelConfig(model=path, device="cpu").hf_config, HFConfig)
     assert tokenizer_class(ours.model_type) is TOKENIZER_MAPPING.get(type(theirs), TokenizersBackend)
 
-
-# What ModelConfig, the processor and the benchmarks read from a config
-# (the model's reads are recorded above).
-ENGINE_FIELDS = ("model_type", "architectures", "vocab_size", "max_position_embeddings", "dtype",
-                 "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_sliding_window", "sliding_window")
 
 OPTIONAL_KEYS = ("context_length", "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon",
                  "rope.dimension_count")
@@ -271,11 +236,11 @@ def test_config_matches_transformers(tmp_path, arch, variant):
         kwargs.update(drop=OPTIONAL_KEYS + ("attention.head_count",),
                       extra=[(f"{file_arch}.attention.head_count", 32, V.UINT32)])
     path = write_gguf(tmp_path / f"{variant}.gguf", **kwargs)
-    assert_same_config(path, transformers_config(path))
+    assert_same_gguf_config(path, transformers_config(path))
 
 
 def test_config_overrides_apply():
-    config = GGUFModelConfig("folder", model_type="llama", num_hidden_layers=30)
+    config = HFConfig("folder", model_type="llama", num_hidden_layers=30)
     config.update({"num_hidden_layers": 2})
     assert config.num_hidden_layers == 2
 
@@ -366,23 +331,6 @@ def test_serving_path_builds_no_gguf_reader(tmp_path, monkeypatch):
     assert weights["model.norm.weight"].tolist() == list(range(64))
 
 
-# Modules the serving path of a GGUF must not import: any transformers config
-# class imports the others on the way (about 52 MB of the process; docs/BENCHMARKS.md).
-HEAVY_MODULES = ("transformers.models.llama.configuration_llama", "transformers.models.mistral.configuration_mistral",
-                 "transformers.models.qwen2.configuration_qwen2", "transformers.models.qwen3.configuration_qwen3",
-                 "transformers.activations", "torch.distributed.tensor", "sympy", "accelerate")
-
-
-def imported_heavy_modules(script: str, path: str) -> list[str]:
-    """Runs `script` (which has `path` as PATH) in a fresh interpreter; the
-    HEAVY_MODULES it left in sys.modules."""
-    check = f"import sys\nPATH = {path!r}\n{script}\nprint([m for m in {HEAVY_MODULES!r} if m in sys.modules])"
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return eval(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_serving_config_and_tokenizer_import_no_config_class(tmp_path, arch):
     path = write_gguf(tmp_path / "t.gguf", arch=arch, chat_template=CHAT, **SPECIAL)
@@ -393,7 +341,7 @@ tokenizer = load_tokenizer(ModelConfig(model=PATH, device="cpu"))
 assert tokenizer.decode(tokenizer.apply_chat_template([{"role": "user", "content": "the 123"}], tokenize=True,
                                                       add_generation_prompt=True)).endswith("assistant\\n")
 """
-    assert imported_heavy_modules(script, path) == []
+    assert imported_modules(script, path) == []
 
 
 def test_hf_baseline_builds_transformers_model_from_gguf_config(tmp_path):
@@ -420,7 +368,7 @@ def smollm2():
 
 
 def test_smollm2_config_and_tokenizer_match_transformers(smollm2):
-    assert_same_config(smollm2, transformers_config(smollm2))
+    assert_same_gguf_config(smollm2, transformers_config(smollm2))
     assert_same_tokenizer(load_gguf_tokenizer(smollm2, load_gguf_config(smollm2)), transformers_tokenizer(smollm2))
 
 
@@ -448,5 +396,5 @@ llm = LLM(model=PATH, max_model_len=256, kv_cache_space=0.05)
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 assert "Paris" in llm.chat(messages, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].outputs[0].text
 """
-    assert imported_heavy_modules(script, smollm2) == []
+    assert imported_modules(script, smollm2) == []
 

@@ -26,7 +26,7 @@ def load_hf_model(model_config: ModelConfig, device: torch.device):
     dtype = model_config.torch_dtype
     if model_config.load_format == "dummy":
         config = model_config.hf_config
-        if hasattr(config, "to_transformers"):  # a GGUF's config is Pagoda's own (GGUFModelConfig)
+        if hasattr(config, "to_transformers"):  # Pagoda's own (HFConfig), not a transformers class
             config = config.to_transformers()
         with torch.device(device):  # random init right on the device
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
