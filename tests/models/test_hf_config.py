@@ -3,8 +3,8 @@
 folder: every supported model type as save_pretrained writes it, as
 hand-written files (from the model type alone, all defaults, to a few sizes),
 with transformers 4's names (torch_dtype, rope_theta, rope_scaling) and
-nulls to derive; the model shapes the benchmarks use; the errors a broken
-file gets; other model types left to transformers; and the engine reading a
+nulls to derive; the model shapes the benchmarks use and three more public
+models; the errors a broken file gets; other model types left to transformers; and the engine reading a
 folder without importing transformers at all (in a fresh process): the
 engine core's start waits for its config."""
 
@@ -85,6 +85,31 @@ def test_hand_written_configs_match_transformers(tmp_path, variant, model_type):
 @pytest.mark.parametrize("shape", ["Llama-3.1-8B", "Qwen2.5-0.5B", "Qwen3-0.6B", "SmolLM2-135M"])
 def test_model_shapes_match_transformers(shape):
     assert_same_as_transformers(model_shape_path(shape))
+
+
+# Public models' config.json values beyond the benchmark shapes.
+PUBLIC_CONFIGS = {
+    "Mistral-7B-v0.1": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+                        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+                        "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "sliding_window": 4096,
+                        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    "Qwen2.5-7B": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                   "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+                   "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+                   "hidden_act": "silu", "torch_dtype": "bfloat16"},
+    "OPT-125m": {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768, "ffn_dim": 3072,
+                 "num_hidden_layers": 12, "num_attention_heads": 12, "vocab_size": 50272,
+                 "max_position_embeddings": 2048, "word_embed_proj_dim": 768, "do_layer_norm_before": True,
+                 "activation_function": "relu", "enable_bias": True, "torch_dtype": "float16", "bos_token_id": 2,
+                 "eos_token_id": 2, "pad_token_id": 1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_public_configs_match_transformers(tmp_path, name):
+    assert_same_as_transformers(write_config(tmp_path, PUBLIC_CONFIGS[name]))
 
 
 def test_llama3_rope_reaches_the_model_as_transformers_gives_it(tmp_path):
