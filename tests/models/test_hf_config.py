@@ -146,10 +146,12 @@ def test_other_model_types_are_transformers_configs(tmp_path):
         get_model_class(config)
 
 
-def test_overrides_apply(tmp_path):
-    config = ModelConfig(model=str(write_config(tmp_path, {"model_type": "qwen2", **SHORT_LLAMA_LIKE})),
-                         hf_overrides={"num_hidden_layers": 1}, device="cpu")
+def test_overrides_apply_and_are_checked(tmp_path):
+    folder = str(write_config(tmp_path, {"model_type": "qwen2", **SHORT_LLAMA_LIKE}))
+    config = ModelConfig(model=folder, hf_overrides={"num_hidden_layers": 1}, device="cpu")
     assert config.hf_config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="num_hidden_layers must be a positive int, got '1'"):
+        ModelConfig(model=folder, hf_overrides={"num_hidden_layers": "1"}, device="cpu")
 
 
 def test_hf_baseline_builds_transformers_model_from_our_config(tmp_path):

@@ -73,10 +73,7 @@ class HFConfig:
         dtype = fields.pop("torch_dtype", None)  # transformers 4's name
         if fields["dtype"] is None:
             fields["dtype"] = dtype
-        for name in _SIZES:
-            value = fields.get(name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name_or_path}: config field {name} must be a positive int, got {value!r}")
+        _check_sizes(fields, name_or_path)
         derive_head_dim = kind in ("llama", "mistral") and fields["head_dim"] is None
         # LlamaConfig checks this always; a derived head_dim needs it too.
         if (kind == "llama" or derive_head_dim) and fields["hidden_size"] % fields["num_attention_heads"]:
@@ -95,6 +92,7 @@ class HFConfig:
         return cls(name_or_path, **fields)
 
     def update(self, overrides: dict) -> None:
+        _check_sizes(overrides, self.name_or_path)
         self.__dict__.update(overrides)
 
     def to_dict(self) -> dict:
@@ -109,6 +107,13 @@ class HFConfig:
 
     def __repr__(self) -> str:
         return f"HFConfig({self.to_dict()})"
+
+
+def _check_sizes(fields: dict, source: str) -> None:
+    for name in _SIZES:
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{source}: config field {name} must be a positive int, got {value!r}")
 
 
 def _rope_parameters(fields: dict) -> dict:
